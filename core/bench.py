@@ -1,0 +1,1 @@
+"""`python -m core run`: placeholder replaced below."""

@@ -1,0 +1,167 @@
+"""Command-line front: `python -m core COMMAND [flags] [overrides...]`.
+
+argparse takes the command word and its flags; Hydra's compose API takes the overrides, so
+`python -m core run scheduler=static quant=none` works like a Hydra app without `@hydra.main`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from importlib import resources
+
+from omegaconf import DictConfig, OmegaConf
+
+from core.errors import ConfigError, ServelabError
+from core.plugins import KINDS, get_registry
+
+
+def _group_options(group: str) -> set[str]:
+    folder = resources.files("conf") / group
+    return {p.name[: -len(".yaml")] for p in folder.iterdir() if p.name.endswith(".yaml")} if folder.is_dir() else set()
+
+
+def _rewrite_plugin_overrides(overrides: list[str]) -> list[str]:
+    """`scheduler=sjf` where no conf/scheduler/sjf.yaml exists but a plugin registered `sjf`
+    becomes `scheduler.name=sjf`: third-party components are chosen by name like in-repo ones."""
+    out = []
+    registry = None
+    for ov in overrides:
+        key, sep, value = ov.partition("=")
+        if sep and key in KINDS and value not in _group_options(key):
+            registry = registry or get_registry()
+            registry.get(key, value)  # unknown everywhere: one line naming kind, value and choices
+            ov = f"{key}.name={value}"
+        out.append(ov)
+    return out
+
+
+def compose(overrides: list[str]) -> DictConfig:
+    from hydra import compose as hydra_compose, initialize_config_module
+    from hydra.core.global_hydra import GlobalHydra
+
+    overrides = _rewrite_plugin_overrides(list(overrides))
+    GlobalHydra.instance().clear()
+    with initialize_config_module(config_module="conf", version_base=None):
+        return hydra_compose(config_name="config", overrides=overrides)
+
+
+# ---- commands --------------------------------------------------------------------------------
+
+
+def cmd_plugins(args, cfg: DictConfig) -> int:
+    registry = get_registry()
+    rows = [(c.kind, c.name, c.source) for c in registry.all()]
+    widths = [max(len(r[i]) for r in rows + [("kind", "name", "from")]) for i in range(3)]
+    print("  ".join(h.ljust(w) for h, w in zip(("kind", "name", "from"), widths)))
+    for r in rows:
+        print("  ".join(v.ljust(w) for v, w in zip(r, widths)))
+    return 0
+
+
+def cmd_generate(args, cfg: DictConfig) -> int:
+    from core.config import engine_config
+    from core.engine import Engine
+    from core.types import SamplingParams
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        seed=args.seed, stop=args.stop or [], ignore_eos=args.ignore_eos,
+    )
+    engine = Engine(engine_config(cfg))
+    tok = engine.tokenizer
+    if args.chat:
+        ids = tok.encode_chat([{"role": "user", "content": args.prompt}])
+    else:
+        ids = tok.encode(args.prompt)
+    t0 = time.perf_counter()
+    rid = engine.add_request(prompt_token_ids=ids, params=params, arrival_time=t0)
+    sequence = engine.requests[rid].seqs[0]
+    final = None
+    if not args.json:
+        print(args.prompt if not args.chat else "", end="", flush=True)
+    while engine.has_unfinished():
+        for out in engine.step():
+            if not args.json:
+                for text, _ in out.deltas.values():
+                    print(text, end="", flush=True)
+            if out.finished:
+                final = out
+    t1 = time.perf_counter()
+    seq = final.outputs[0]
+    if args.json:
+        from core.metrics import request_metrics
+
+        m = request_metrics(sequence)
+        print(json.dumps({
+            "request_id": rid, "prompt": args.prompt, "prompt_token_ids": ids,
+            "text": seq.text, "token_ids": seq.token_ids, "finish_reason": seq.finish_reason,
+            "timings": {k: m[k] for k in ("ttft_s", "tpot_s", "e2e_s", "prefill_s")}
+            | {"tokens_per_s": len(seq.token_ids) / (t1 - t0)},
+        }, indent=2))
+    else:
+        print(f"\n[{len(seq.token_ids)} tokens in {t1 - t0:.2f}s, finish_reason={seq.finish_reason}]",
+              file=sys.stderr)
+    return 0
+
+
+def cmd_run(args, cfg: DictConfig) -> int:
+    from core.bench import run_benchmark
+
+    return run_benchmark(cfg)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m core", description="servelab: a pluggable LLM inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def add(name: str, help: str):
+        p = sub.add_parser(name, help=help)
+        p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. scheduler=static model.dtype=bf16")
+        return p
+
+    add("run", "run the offline benchmark on a workload and write a report")
+    add("plugins", "list every component by kind, name and the package it came from")
+    g = add("generate", "generate a completion for one prompt, streamed to the terminal")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--json", action="store_true", help="print text, token ids and timings as JSON")
+    args = parser.parse_args(argv)
+    commands = {"run": cmd_run, "plugins": cmd_plugins, "generate": cmd_generate}
+    try:
+        cfg = compose(args.overrides)
+        return commands[args.command](args, cfg)
+    except ServelabError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:  # Hydra's own override and composition errors are the user's to fix
+        if _is_config_error(e):
+            print(f"error: {_first_line(e)}", file=sys.stderr)
+            return 2
+        raise
+
+
+def _is_config_error(e: Exception) -> bool:
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    return isinstance(e, (HydraException, OmegaConfBaseException, ConfigError))
+
+
+def _first_line(e: Exception) -> str:
+    lines = [ln for ln in str(e).splitlines() if ln.strip()]
+    # Hydra puts the useful part (e.g. "Available options in 'scheduler': ...") on later lines.
+    return " ".join(ln.strip() for ln in lines[:3])
+

@@ -1,0 +1,109 @@
+"""Typed configuration: the Hydra tree becomes these dataclasses before any code sees it."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from core.errors import ConfigError
+
+
+@dataclass
+class ModelConfig:
+    name: str = "smollm2-135m"
+    path: str | None = None  # HF directory or GGUF file; None: the embedded default model
+    dtype: str = "fp32"  # fp32 | bf16
+    max_model_len: int = 2048  # prompt + output tokens per sequence
+    device: str = "cpu"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class SchedulerConfig:
+    name: str = "static"
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 4096
+    policy: str = "fcfs"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class CacheConfig:
+    name: str = "contiguous"
+    block_size: int = 16
+    memory_gb: float | None = None  # KV pool budget; None: sized from the scheduler's limits
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class QuantConfig:
+    name: str = "none"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class DecoderConfig:
+    name: str = "sampling"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class BackendConfig:
+    name: str = "torch"
+    num_threads: int | None = None  # torch intra-op threads; None: leave torch's default
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    quant: QuantConfig = field(default_factory=QuantConfig)
+    decoder: DecoderConfig = field(default_factory=DecoderConfig)
+    backend: BackendConfig = field(default_factory=BackendConfig)
+    seed: int = 0
+
+
+def _section(cls: type, node: Any, where: str):
+    """Known keys become fields (type-checked by OmegaConf); unknown ones go to `extra`."""
+    data = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node or {})
+    names = {f.name for f in dataclasses.fields(cls)}
+    known = {k: v for k, v in data.items() if k in names and k != "extra"}
+    extra = dict(data.get("extra") or {})
+    extra.update({k: v for k, v in data.items() if k not in names})
+    try:
+        typed = OmegaConf.merge(OmegaConf.structured(cls), known)
+    except Exception as e:  # OmegaConf's validation errors name key and value
+        raise ConfigError(f"{where}: {str(e).splitlines()[0]}") from None
+    obj = OmegaConf.to_object(typed)
+    obj.extra = extra
+    return obj
+
+
+def engine_config(cfg: DictConfig | dict) -> EngineConfig:
+    """The engine's part of a composed Hydra config as typed dataclasses."""
+    get = cfg.get
+    ec = EngineConfig(
+        model=_section(ModelConfig, get("model"), "model"),
+        scheduler=_section(SchedulerConfig, get("scheduler"), "scheduler"),
+        cache=_section(CacheConfig, get("cache"), "cache"),
+        quant=_section(QuantConfig, get("quant"), "quant"),
+        decoder=_section(DecoderConfig, get("decoder"), "decoder"),
+        backend=_section(BackendConfig, get("backend"), "backend"),
+        seed=int(get("seed", 0) or 0),
+    )
+    if ec.model.dtype not in ("fp32", "bf16"):
+        raise ConfigError(f"model.dtype must be fp32 or bf16, got '{ec.model.dtype}'")
+    for name, value in (
+        ("model.max_model_len", ec.model.max_model_len),
+        ("scheduler.max_num_seqs", ec.scheduler.max_num_seqs),
+        ("scheduler.max_num_batched_tokens", ec.scheduler.max_num_batched_tokens),
+        ("cache.block_size", ec.cache.block_size),
+    ):
+        if value <= 0:
+            raise ConfigError(f"{name} must be positive, got {value}")
+    return ec

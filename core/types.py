@@ -1,0 +1,269 @@
+"""The plain data every component shares: requests, sequences, a step's batch, its stats.
+
+Shapes follow vLLM's V1 engine: a step is a packed (varlen) batch where each scheduled
+sequence contributes `num_new_tokens` tokens, a prefill chunk or one decode token.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from core.errors import RequestError
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens and when to stop; the OpenAI request fields, validated."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k filter
+    seed: int | None = None
+    n: int = 1
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # how many top logprobs to return per token (0: only the chosen)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.max_tokens <= 0:
+            raise RequestError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise RequestError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise RequestError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if self.n < 1:
+            raise RequestError(f"n must be at least 1, got {self.n}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise RequestError(f"logprobs must be between 0 and 20, got {self.logprobs}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (
+            SequenceStatus.FINISHED_STOPPED,
+            SequenceStatus.FINISHED_LENGTH,
+            SequenceStatus.FINISHED_ABORTED,
+        )
+
+
+@dataclass
+class RequestTimings:
+    """Monotonic timestamps (time.perf_counter) of one sequence's life."""
+
+    arrival: float = 0.0
+    first_scheduled: float | None = None
+    prefill_done: float | None = None
+    first_token: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    finished: float | None = None
+
+
+_seq_ids = itertools.count()
+
+
+class Sequence:
+    """One token stream. A request with n > 1 owns n of them."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        index: int = 0,
+        priority: int = 0,
+        arrival_time: float = 0.0,
+        eos_token_id: int | None = None,
+    ) -> None:
+        self.seq_id = next(_seq_ids)
+        self.request_id = request_id
+        self.index = index  # which of the request's n samples
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.output_logprobs: list[dict] = []
+        self.params = params
+        self.priority = priority
+        self.arrival_time = arrival_time
+        self.eos_token_id = eos_token_id
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache
+        self.num_preemptions = 0
+        self.status = SequenceStatus.WAITING
+        self.timings = RequestTimings(arrival=arrival_time)
+        self.generator: torch.Generator | None = None  # per-sequence RNG when a seed is set
+        # incremental detokenization state (vLLM's prefix/read offsets)
+        self.output_text = ""
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.stop_reason: str | int | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed_tokens < self.num_prompt_tokens
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, req={self.request_id!r}, prompt={self.num_prompt_tokens}, "
+            f"out={self.num_output_tokens}, computed={self.num_computed_tokens}, {self.status.value})"
+        )
+
+
+@dataclass
+class ScheduledSeq:
+    """This step's work for one sequence."""
+
+    seq: Sequence
+    num_new_tokens: int  # a prefill chunk, 1 for decode, 1 + k for speculative verify
+
+    @property
+    def needs_sample(self) -> bool:
+        """True when this step's last token is the sequence's last known token: sample after it."""
+        return self.seq.num_computed_tokens + self.num_new_tokens >= self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    def __bool__(self) -> bool:
+        return bool(self.scheduled)
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """The model's KV geometry: what an allocator needs to size its pool."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    max_model_len: int
+
+    @property
+    def bytes_per_token(self) -> int:
+        """2 (K and V) x layers x kv_heads x head_dim x dtype bytes."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each token's KV lives, for one packed batch.
+
+    The KV cache is [num_blocks, block_size, kv_heads, head_dim] per layer; a sequence's tokens
+    live in the blocks its block table lists, in order.
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] flat slot (block * block_size + offset) of each new token
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with 0
+    context_lens: torch.Tensor  # [num_seqs] tokens in the cache after this step, per sequence
+    query_lens: torch.Tensor  # [num_seqs] new tokens per sequence this step
+    query_start_loc: torch.Tensor  # [num_seqs + 1] offsets of each sequence in the packed batch
+    block_size: int
+    max_query_len: int
+    max_context_len: int
+
+
+@dataclass
+class ModelInput:
+    input_ids: torch.Tensor  # [num_tokens] packed
+    positions: torch.Tensor  # [num_tokens]
+    attn: AttentionMetadata
+    logits_indices: torch.Tensor  # [num_sampled] rows of the packed batch whose logits are needed
+
+
+@dataclass
+class CacheStats:
+    num_blocks: int
+    num_free_blocks: int
+    block_size: int
+    prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hits: int = 0  # of which found
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks if self.num_blocks else 0.0
+
+
+@dataclass
+class StepStats:
+    """What one engine step did; handed to the step observers."""
+
+    step: int
+    time: float
+    duration_s: float
+    num_running: int
+    num_waiting: int
+    num_preempted: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    kv_usage: float
+    prefix_queries: int
+    prefix_hits: int
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class RequestOutput:
+    """A request's state after a step: `delta_*` is what this step added (for streaming)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    deltas: dict[int, tuple[str, list[int]]] = field(default_factory=dict)  # index -> (text, ids)

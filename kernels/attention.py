@@ -1,0 +1,91 @@
+"""Attention over a block-structured KV cache: the torch reference implementation.
+
+Layout: per layer, `k_cache` and `v_cache` are [num_blocks, block_size, num_kv_heads, head_dim].
+A sequence's tokens live in the blocks its row of `block_tables` lists, in order. The contiguous
+allocator is the special case block_size = max_model_len with one block per sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store new tokens' K and V ([num_tokens, kv_heads, head_dim]) at their flat slots."""
+    num_blocks, block_size = k_cache.shape[:2]
+    k_cache.view(num_blocks * block_size, *k_cache.shape[2:])[slot_mapping] = k.to(k_cache.dtype)
+    v_cache.view(num_blocks * block_size, *v_cache.shape[2:])[slot_mapping] = v.to(v_cache.dtype)
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` tokens of one or more sequences: block_table [..., max_blocks] -> [..., length, h, d]."""
+    block_size = cache.shape[1]
+    pos = torch.arange(length, device=cache.device)
+    slots = block_table[..., pos // block_size].long() * block_size + pos % block_size
+    return cache.view(-1, *cache.shape[2:])[slots]
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    query_lens_cpu: list[int] | None = None,
+    context_lens_cpu: list[int] | None = None,
+) -> torch.Tensor:
+    """Causal attention of packed queries over cached KV.
+
+    q: [num_tokens, num_heads, head_dim], sequence i's queries are rows
+    query_start_loc[i]:query_start_loc[i+1], and they are its last tokens: query j of a sequence
+    with q_len queries and ctx_len cached tokens sits at position ctx_len - q_len + j and sees keys
+    0..that position. Returns [num_tokens, num_heads, head_dim].
+    """
+    if query_lens_cpu is None:
+        query_lens_cpu = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
+    if context_lens_cpu is None:
+        context_lens_cpu = context_lens.tolist()
+    out = torch.empty_like(q)
+    starts = query_start_loc.tolist()
+    decode = [i for i, n in enumerate(query_lens_cpu) if n == 1]
+    if decode:
+        # All one-token queries in one padded call: they see every cached token of their own sequence.
+        idx = torch.tensor(decode, device=q.device)
+        max_ctx = max(context_lens_cpu[i] for i in decode)
+        rows = torch.tensor([starts[i] for i in decode], device=q.device)
+        keys = _gather(k_cache, block_tables[idx], max_ctx)  # [B, max_ctx, kvh, d]
+        values = _gather(v_cache, block_tables[idx], max_ctx)
+        mask = torch.arange(max_ctx, device=q.device)[None, :] < context_lens[idx][:, None]
+        o = F.scaled_dot_product_attention(
+            q[rows].unsqueeze(2).to(keys.dtype),  # [B, h, 1, d]
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=mask[:, None, None, :],
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[rows] = o.squeeze(2).to(out.dtype)
+    for i, q_len in enumerate(query_lens_cpu):
+        if q_len == 1 or q_len == 0:
+            continue
+        ctx = context_lens_cpu[i]
+        keys = _gather(k_cache, block_tables[i], ctx)  # [ctx, kvh, d]
+        values = _gather(v_cache, block_tables[i], ctx)
+        qi = q[starts[i] : starts[i] + q_len]
+        q_pos = torch.arange(ctx - q_len, ctx, device=q.device)
+        mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]
+        o = F.scaled_dot_product_attention(
+            qi.transpose(0, 1).unsqueeze(0).to(keys.dtype),  # [1, h, q, d]
+            keys.transpose(0, 1).unsqueeze(0),
+            values.transpose(0, 1).unsqueeze(0),
+            attn_mask=mask[None, None],
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[starts[i] : starts[i] + q_len] = o[0].transpose(0, 1).to(out.dtype)
+    return out

@@ -1,0 +1,38 @@
+"""Backend `torch`: the model forward in eager PyTorch on the CPU (or a CUDA device)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from core.config import BackendConfig
+from core.plugins import hookimpl
+from core.types import KVCacheSpec, ModelInput
+
+
+class TorchBackend:
+    def __init__(self, config: BackendConfig, model: nn.Module, spec: KVCacheSpec) -> None:
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.model = model
+        self.spec = spec
+        self.device = next(model.parameters()).device
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        shape = (num_blocks, block_size, self.spec.num_kv_heads, self.spec.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=self.spec.dtype, device=self.device),
+             torch.zeros(shape, dtype=self.spec.dtype, device=self.device))
+            for _ in range(self.spec.num_layers)
+        ]
+
+    @torch.inference_mode()
+    def execute(self, batch: ModelInput) -> torch.Tensor:
+        hidden = self.model(batch.input_ids, batch.positions, batch.attn, self.kv_caches)
+        return self.model.compute_logits(hidden[batch.logits_indices])
+
+
+@hookimpl
+def servelab_backends():
+    return {"torch": TorchBackend}

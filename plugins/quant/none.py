@@ -1,0 +1,21 @@
+"""Quantizer `none`: weights stay in the model dtype (fp32 or bf16)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from core.config import QuantConfig
+from core.plugins import hookimpl
+
+
+class NoQuantizer:
+    def __init__(self, config: QuantConfig) -> None:
+        self.config = config
+
+    def quantize(self, model: nn.Module) -> nn.Module:
+        return model
+
+
+@hookimpl
+def servelab_quantizers():
+    return {"none": NoQuantizer}

@@ -1,0 +1,22 @@
+import pytest
+
+from tests.tiny import make_tiny_model
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory):
+    """One tiny random model directory per supported architecture."""
+    root = tmp_path_factory.mktemp("tiny")
+    return {arch: make_tiny_model(root / arch, arch) for arch in ("llama", "llama3", "qwen2", "mistral")}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_dirs):
+    return tiny_dirs["llama"]
+
+
+@pytest.fixture(scope="session")
+def default_gguf():
+    from core.default_model import default_model_path
+
+    return default_model_path()

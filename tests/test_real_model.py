@@ -1,0 +1,91 @@
+"""The embedded SmolLM2-135M GGUF against transformers loading the same file."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from core.config import EngineConfig, ModelConfig, SchedulerConfig
+from core.engine import Engine
+from core.loader import unpermute_qk
+from core.types import SamplingParams
+
+pytestmark = pytest.mark.real_model
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+    "Water boils at a temperature of",
+    "To make a cup of tea, first",
+]
+NEW_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def engine(default_gguf):
+    cfg = EngineConfig(model=ModelConfig(max_model_len=256), scheduler=SchedulerConfig(max_num_seqs=8))
+    return Engine(cfg)
+
+
+@pytest.fixture(scope="module")
+def hf_model(default_gguf):
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(default_gguf.parent), gguf_file=default_gguf.name, dtype=torch.float32
+    ).eval()
+
+
+def test_greedy_continuations_equal_transformers(engine, hf_model):
+    outs = engine.generate(PROMPTS, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+    for prompt, out in zip(PROMPTS, outs):
+        ids = engine.tokenizer.encode(prompt)
+        with torch.no_grad():
+            ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                    do_sample=False, pad_token_id=2)
+        assert out.outputs[0].token_ids == ref[0, len(ids):].tolist(), prompt
+
+
+def test_prefill_logits_close_to_transformers(engine, hf_model):
+    ids = engine.tokenizer.encode(PROMPTS[0])
+    seen = []
+    accept = engine.decoder.accept
+    engine.decoder.accept = lambda logits, sch, prop: seen.append(logits.clone()) or accept(logits, sch, prop)
+    try:
+        engine.generate([ids], SamplingParams(max_tokens=1))
+    finally:
+        engine.decoder.accept = accept
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([ids])).logits[0, -1]
+    assert (seen[0][0] - ref).abs().max().item() < 1e-3
+
+
+def test_tokenizer_matches_smollm2_rules(engine):
+    tok = engine.tokenizer
+    ids = tok.encode("In 2024, 12345 apples.")
+    digits = [tok.decode([i]) for i in ids if tok.decode([i]).strip().isdigit()]
+    assert digits == list("2024") + list("12345")  # SmolLM splits numbers digit by digit
+    assert tok.decode(ids) == "In 2024, 12345 apples."
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert chat.endswith("<|im_start|>assistant\n") and "<|im_start|>user\nhi<|im_end|>" in chat
+    assert tok.encode_chat([{"role": "user", "content": "hi"}])[0] == tok.backend.token_to_id("<|im_start|>")
+
+
+def test_unpermute_inverts_llama_cpp_permutation():
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((3 * 8, 5)).astype(np.float32)
+    n_head = 3
+    # llama.cpp's convert script: each head's rows go from (2, d/2) halves to interleaved pairs
+    permuted = w.reshape(n_head, 2, w.shape[0] // n_head // 2, 5).swapaxes(1, 2).reshape(w.shape)
+    assert not np.array_equal(permuted, w)
+    np.testing.assert_array_equal(unpermute_qk(permuted, n_head), w)
+
+
+def test_cli_generate_says_paris():
+    r = subprocess.run([sys.executable, "-m", "core", "generate", "--prompt", "The capital of France is",
+                        "--max-tokens", "8"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout

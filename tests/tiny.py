@@ -1,0 +1,88 @@
+"""Tiny random Llama-family models written to disk as Hugging Face directories, for fast tests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from core.config import EngineConfig, ModelConfig, SchedulerConfig
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def write_byte_tokenizer(path: Path) -> int:
+    """A byte-level BPE with no merges: 256 byte tokens then the special tokens. Returns its size."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tok = Tokenizer(models.BPE(vocab, [], fuse_unk=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIALS])
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": "<|im_end|>", "bos_token": None, "add_bos_token": False, "chat_template": CHAT_TEMPLATE,
+    }))
+    return tok.get_vocab_size()
+
+
+def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+    """Write a random tiny model of `arch` (llama, llama3, qwen2, mistral) to `path`."""
+    import transformers
+
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = write_byte_tokenizer(path)
+    eos = vocab - 1  # <|im_end|>
+    common = dict(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, eos_token_id=eos,
+        bos_token_id=None, pad_token_id=None, tie_word_embeddings=False,
+    )
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(**common, rope_theta=10000.0)
+        cls = transformers.LlamaForCausalLM
+    elif arch == "llama3":
+        cfg = transformers.LlamaConfig(**{**common, "tie_word_embeddings": True}, rope_theta=500000.0, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32})
+        cls = transformers.LlamaForCausalLM
+    elif arch == "qwen2":
+        cfg = transformers.Qwen2Config(**common, rope_theta=1000000.0)
+        cls = transformers.Qwen2ForCausalLM
+    elif arch == "mistral":
+        cfg = transformers.MistralConfig(**common, rope_theta=10000.0, sliding_window=None)
+        cls = transformers.MistralForCausalLM
+    else:
+        raise ValueError(arch)
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    torch.manual_seed(seed)
+    model = cls(cfg)
+    # Random init is near zero; widen it so logits differ clearly between tokens.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.2)
+            elif name.endswith("bias"):
+                p.normal_(0, 0.1)
+            else:  # norm weights
+                p.normal_(1.0, 0.1)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def tiny_config(path: Path, **kw) -> EngineConfig:
+    cfg = EngineConfig(model=ModelConfig(name="tiny", path=str(path), dtype="fp32", max_model_len=kw.pop("max_model_len", 128)))
+    cfg.scheduler = SchedulerConfig(name=kw.pop("scheduler", "static"), max_num_seqs=kw.pop("max_num_seqs", 8),
+                                    max_num_batched_tokens=kw.pop("max_num_batched_tokens", 4096))
+    for k, v in kw.items():
+        setattr(cfg, k, v)
+    return cfg
