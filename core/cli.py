@@ -139,6 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     commands = {"run": cmd_run, "plugins": cmd_plugins, "generate": cmd_generate}
     try:
         cfg = compose(args.overrides)
+        from core.config import engine_config
+
+        engine_config(cfg)  # type-check every command's config up front
         return commands[args.command](args, cfg)
     except ServelabError as e:
         print(f"error: {e}", file=sys.stderr)

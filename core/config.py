@@ -77,8 +77,9 @@ def _section(cls: type, node: Any, where: str):
     extra.update({k: v for k, v in data.items() if k not in names})
     try:
         typed = OmegaConf.merge(OmegaConf.structured(cls), known)
-    except Exception as e:  # OmegaConf's validation errors name key and value
-        raise ConfigError(f"{where}: {str(e).splitlines()[0]}") from None
+    except Exception as e:  # OmegaConf's validation errors carry the key and the value
+        key = getattr(e, "full_key", None) or getattr(e, "key", None)
+        raise ConfigError(f"{where}.{key}: {str(e).splitlines()[0]}" if key else f"{where}: {e}") from None
     obj = OmegaConf.to_object(typed)
     obj.extra = extra
     return obj

@@ -231,18 +231,20 @@ class Engine:
             seq.timings.first_token = now
         seq.timings.token_times.append(now)
         all_ids = seq.token_ids
-        text, seq.prefix_offset, seq.read_offset = self.tokenizer.detokenize_incrementally(
-            all_ids, seq.prefix_offset, seq.read_offset
-        )
         p = seq.params
         status = None
         if not p.ignore_eos and token in self.tokenizer.eos_token_ids:
             status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, None
         elif token in p.stop_token_ids:
             status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
+        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            status = SequenceStatus.FINISHED_LENGTH
+        text, seq.prefix_offset, seq.read_offset = self.tokenizer.detokenize_incrementally(
+            all_ids, seq.prefix_offset, seq.read_offset, final=status is not None
+        )
         old_len = len(seq.output_text)
         full = seq.output_text + text
-        if text and p.stop and status is None:
+        if text and p.stop and (status is None or status is SequenceStatus.FINISHED_LENGTH):
             # A stop string may straddle the old and new text; the output is cut where it starts.
             window_start = max(0, old_len - max(len(s) for s in p.stop) + 1)
             hits = [(i, s) for s in p.stop if (i := full.find(s, window_start)) >= 0]
@@ -252,8 +254,6 @@ class Engine:
                 status = SequenceStatus.FINISHED_STOPPED
         text = full[old_len:]
         seq.output_text = full
-        if status is None and (seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len):
-            status = SequenceStatus.FINISHED_LENGTH
         prev_text, prev_ids = state.deltas.get(seq.index, ("", []))
         state.deltas[seq.index] = (prev_text + text, prev_ids + [token])
         if status is not None:

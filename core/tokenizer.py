@@ -80,13 +80,16 @@ class Tokenizer:
         # The template writes the special tokens itself; a BOS is added only where it did not.
         return self.encode(self.apply_chat_template(messages), add_special_tokens=True)
 
-    def detokenize_incrementally(self, all_ids: list[int], prefix_offset: int, read_offset: int) -> tuple[str, int, int]:
+    def detokenize_incrementally(
+        self, all_ids: list[int], prefix_offset: int, read_offset: int, final: bool = False
+    ) -> tuple[str, int, int]:
         """New text since `read_offset`, decoding a few tokens of context so that word
-        boundaries and multi-byte characters come out right (vLLM's scheme).
+        boundaries and multi-byte characters come out right (vLLM's scheme). Text ending in an
+        incomplete character is held back until more tokens come, or until `final`.
         Returns (new_text, new_prefix_offset, new_read_offset)."""
         prefix_text = self.decode(all_ids[prefix_offset:read_offset])
         new_text = self.decode(all_ids[prefix_offset:])
-        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
+        if len(new_text) > len(prefix_text) and (final or not new_text.endswith("\ufffd")):
             return new_text[len(prefix_text) :], read_offset, len(all_ids)
         return "", prefix_offset, read_offset
 

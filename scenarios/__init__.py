@@ -1,0 +1,1 @@
+"""Workload definitions (lengths, arrivals, prompt text) and the locust scenarios that replay them."""
