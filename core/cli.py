@@ -14,6 +14,7 @@ from importlib import resources
 
 from omegaconf import DictConfig, OmegaConf
 
+from core.config import run_config
 from core.errors import ConfigError, ServelabError
 from core.plugins import KINDS, get_registry
 
@@ -107,10 +108,40 @@ def cmd_generate(args, cfg: DictConfig) -> int:
     return 0
 
 
-def cmd_run(args, cfg: DictConfig) -> int:
-    from core.bench import run_benchmark
+def expand_sweeps(overrides: list[str]) -> tuple[list[str], list[list[str]]]:
+    """Hydra multirun syntax: `scheduler=static,continuous` -> one variant per value (cartesian
+    product over every swept key). Returns (fixed overrides, variants)."""
+    import itertools
 
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    fixed, sweeps = [], []
+    for text, ov in zip(overrides, parsed):
+        if ov.is_sweep_override():
+            key = ov.get_key_element()
+            sweeps.append([f"{key}={v}" for v in ov.sweep_string_iterator()])
+        else:
+            fixed.append(text)
+    return fixed, [list(combo) for combo in itertools.product(*sweeps)] if sweeps else [[]]
+
+
+def cmd_run(args, cfg: DictConfig) -> int:
+    from core.bench import compare, run_benchmark
+
+    if args.multirun:
+        fixed, variants = expand_sweeps(args.overrides)
+        return compare(fixed, variants, None, run_config(cfg).name)
     return run_benchmark(cfg)
+
+
+def cmd_compare(args, cfg: DictConfig) -> int:
+    from core.bench import compare
+
+    if not args.variant:
+        raise ConfigError('compare needs at least one -v "OVERRIDES" (e.g. -v scheduler=static -v backend=hf)')
+    variants = [v.split() for v in args.variant]
+    return compare(list(args.overrides), variants, args.label, run_config(cfg).name)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,7 +153,12 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. scheduler=static model.dtype=bf16")
         return p
 
-    add("run", "run the offline benchmark on a workload and write a report")
+    r = add("run", "run the offline benchmark on a workload and write a report")
+    r.add_argument("-m", "--multirun", action="store_true",
+                   help="sweep comma-separated values (scheduler=static,continuous) into one comparison report")
+    c = add("compare", "run several configurations on the same workload; one comparison report")
+    c.add_argument("-v", "--variant", action="append", help='one configuration, e.g. -v "scheduler=static"')
+    c.add_argument("--label", action="append", help="a name for each variant, in order")
     add("plugins", "list every component by kind, name and the package it came from")
     g = add("generate", "generate a completion for one prompt, streamed to the terminal")
     g.add_argument("--prompt", required=True)
@@ -136,9 +172,12 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--json", action="store_true", help="print text, token ids and timings as JSON")
     args = parser.parse_args(argv)
-    commands = {"run": cmd_run, "plugins": cmd_plugins, "generate": cmd_generate}
+    commands = {"run": cmd_run, "compare": cmd_compare, "plugins": cmd_plugins, "generate": cmd_generate}
     try:
-        cfg = compose(args.overrides)
+        overrides = args.overrides
+        if getattr(args, "multirun", False):
+            overrides = expand_sweeps(overrides)[0]
+        cfg = compose(overrides)
         from core.config import engine_config
 
         engine_config(cfg)  # type-check every command's config up front

@@ -68,7 +68,22 @@ class EngineConfig:
     seed: int = 0
 
 
-def _section(cls: type, node: Any, where: str):
+@dataclass
+class RunConfig:
+    """How `run` and `compare` measure and report."""
+
+    name: str | None = None  # reports/<name>/; None: built from the workload and components
+    report_dir: str = "reports"
+    warmup_requests: int = 2
+    slo_ttft_s: float = 1.0  # the seed's healthy references for chat
+    slo_tpot_s: float = 0.05
+    remeasure_machine: bool = False
+    plots: bool = True
+    progress: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def section(cls: type, node: Any, where: str):
     """Known keys become fields (type-checked by OmegaConf); unknown ones go to `extra`."""
     data = OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else dict(node or {})
     names = {f.name for f in dataclasses.fields(cls)}
@@ -85,16 +100,20 @@ def _section(cls: type, node: Any, where: str):
     return obj
 
 
+def run_config(cfg: DictConfig | dict) -> RunConfig:
+    return section(RunConfig, cfg.get("run"), "run")
+
+
 def engine_config(cfg: DictConfig | dict) -> EngineConfig:
     """The engine's part of a composed Hydra config as typed dataclasses."""
     get = cfg.get
     ec = EngineConfig(
-        model=_section(ModelConfig, get("model"), "model"),
-        scheduler=_section(SchedulerConfig, get("scheduler"), "scheduler"),
-        cache=_section(CacheConfig, get("cache"), "cache"),
-        quant=_section(QuantConfig, get("quant"), "quant"),
-        decoder=_section(DecoderConfig, get("decoder"), "decoder"),
-        backend=_section(BackendConfig, get("backend"), "backend"),
+        model=section(ModelConfig, get("model"), "model"),
+        scheduler=section(SchedulerConfig, get("scheduler"), "scheduler"),
+        cache=section(CacheConfig, get("cache"), "cache"),
+        quant=section(QuantConfig, get("quant"), "quant"),
+        decoder=section(DecoderConfig, get("decoder"), "decoder"),
+        backend=section(BackendConfig, get("backend"), "backend"),
         seed=int(get("seed", 0) or 0),
     )
     if ec.model.dtype not in ("fp32", "bf16"):

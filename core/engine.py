@@ -60,6 +60,8 @@ class Engine:
         # Check every component name before the (slow) model load.
         for kind in ("scheduler", "cache", "quant", "decoder", "backend"):
             self.registry.get(kind, getattr(config, kind).name)
+        if getattr(self.registry.get("backend", config.backend.name).factory, "is_peer", False):
+            raise ConfigError(f"backend '{config.backend.name}' is a benchmark peer: use it with `run` or `compare`")
         torch.manual_seed(config.seed)
         mc = config.model
         if loaded is None:
@@ -200,11 +202,14 @@ class Engine:
                 self._retire(state)
         self.step_count += 1
         stats = self.allocator.stats()
+        qlens, ctxs = batch.attn.query_lens.tolist(), batch.attn.context_lens.tolist()
         self.hooks.servelab_step_finished(step_stats=StepStats(
             step=self.step_count, time=now, duration_s=now - t0,
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
             num_preempted=len(out.preempted), num_prefill_tokens=num_prefill, num_decode_tokens=num_decode,
             kv_usage=stats.usage, prefix_queries=stats.prefix_queries, prefix_hits=stats.prefix_hits,
+            num_seqs=len(scheduled), num_sampled=len(sampling), kv_tokens_read=sum(ctxs),
+            attn_pairs=sum(q * (c - (q - 1) / 2) for q, c in zip(qlens, ctxs)),
         ))
         return outputs
 

@@ -151,6 +151,7 @@ class Attention(nn.Module):
         o = paged_attention(
             q, k_cache, v_cache, attn.block_tables, attn.context_lens, attn.query_start_loc, self.scale,
             query_lens_cpu=host["query_lens"], context_lens_cpu=host["context_lens"],
+            block_tables_cpu=host["block_tables"],
         )
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
@@ -207,7 +208,8 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] of a packed batch; KV written to `kv_caches`."""
         # Host copies of the lengths, once per step rather than once per layer.
-        host = {"query_lens": attn.query_lens.tolist(), "context_lens": attn.context_lens.tolist()}
+        host = {"query_lens": attn.query_lens.tolist(), "context_lens": attn.context_lens.tolist(),
+                "block_tables": attn.block_tables.tolist()}
         x = self.model.embed_tokens(input_ids)
         for layer, kv in zip(self.model.layers, kv_caches):
             x = layer(x, positions, self.rope, kv, attn, host)

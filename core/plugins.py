@@ -25,6 +25,7 @@ BUILTIN_PLUGINS = (
     "plugins.quant.none",
     "plugins.decoders.sampling",
     "plugins.backends.torch_backend",
+    "plugins.backends.hf_peer",
 )
 # kind -> the hook that lists its factories
 KINDS = {

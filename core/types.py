@@ -245,8 +245,12 @@ class StepStats:
     num_prefill_tokens: int
     num_decode_tokens: int
     kv_usage: float
-    prefix_queries: int
+    prefix_queries: int  # cumulative over the allocator's life
     prefix_hits: int
+    num_seqs: int = 0  # sequences in this step's batch
+    num_sampled: int = 0  # rows that went through lm_head
+    kv_tokens_read: int = 0  # sum of the batch's context lengths: KV read per layer
+    attn_pairs: float = 0.0  # query-key pairs attended (sum over seqs of q * (ctx - (q - 1) / 2))
 
 
 @dataclass

@@ -28,6 +28,30 @@ def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torc
     return cache.view(-1, *cache.shape[2:])[slots]
 
 
+def _seq_kv(cache: torch.Tensor, blocks: list[int], length: int) -> torch.Tensor:
+    """One sequence's first `length` cached tokens [length, h, d]: a view when its blocks are
+    consecutive in the pool (always, for the contiguous allocator), else a block gather."""
+    block_size = cache.shape[1]
+    blocks = blocks[: -(-length // block_size)]
+    if blocks == list(range(blocks[0], blocks[0] + len(blocks))):
+        start = blocks[0] * block_size
+        return cache.view(-1, *cache.shape[2:])[start : start + length]
+    return cache[torch.tensor(blocks, device=cache.device)].flatten(0, 1)[:length]
+
+
+def _decode_one(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query token [h, d] over [ctx, kvh, d] keys and values, grouped-query aware."""
+    kvh, d = keys.shape[1], keys.shape[2]
+    qg = q.view(kvh, q.shape[0] // kvh, d).to(keys.dtype)
+    scores = torch.einsum("gqd,tgd->gqt", qg, keys).float() * scale
+    probs = scores.softmax(dim=-1).to(values.dtype)
+    return torch.einsum("gqt,tgd->gqd", probs, values).reshape(q.shape)
+
+
+# Above this many one-token queries a step, one padded batched call beats a loop over sequences.
+BATCHED_DECODE_MIN_SEQS = 48
+
+
 def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -38,23 +62,27 @@ def paged_attention(
     scale: float,
     query_lens_cpu: list[int] | None = None,
     context_lens_cpu: list[int] | None = None,
+    block_tables_cpu: list[list[int]] | None = None,
 ) -> torch.Tensor:
     """Causal attention of packed queries over cached KV.
 
     q: [num_tokens, num_heads, head_dim], sequence i's queries are rows
     query_start_loc[i]:query_start_loc[i+1], and they are its last tokens: query j of a sequence
     with q_len queries and ctx_len cached tokens sits at position ctx_len - q_len + j and sees keys
-    0..that position. Returns [num_tokens, num_heads, head_dim].
+    0..that position. Returns [num_tokens, num_heads, head_dim]. The *_cpu arguments are host
+    copies of the tensors, passed by callers that already have them.
     """
     if query_lens_cpu is None:
         query_lens_cpu = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
     if context_lens_cpu is None:
         context_lens_cpu = context_lens.tolist()
+    if block_tables_cpu is None:
+        block_tables_cpu = block_tables.tolist()
     out = torch.empty_like(q)
     starts = query_start_loc.tolist()
     decode = [i for i, n in enumerate(query_lens_cpu) if n == 1]
-    if decode:
-        # All one-token queries in one padded call: they see every cached token of their own sequence.
+    if len(decode) >= BATCHED_DECODE_MIN_SEQS:
+        # Many one-token queries: one padded call, each sees every cached token of its own sequence.
         idx = torch.tensor(decode, device=q.device)
         max_ctx = max(context_lens_cpu[i] for i in decode)
         rows = torch.tensor([starts[i] for i in decode], device=q.device)
@@ -70,13 +98,20 @@ def paged_attention(
             enable_gqa=True,
         )
         out[rows] = o.squeeze(2).to(out.dtype)
+        done = set(decode)
+    else:
+        done = set()
     for i, q_len in enumerate(query_lens_cpu):
-        if q_len == 1 or q_len == 0:
+        if q_len == 0 or i in done:
             continue
         ctx = context_lens_cpu[i]
-        keys = _gather(k_cache, block_tables[i], ctx)  # [ctx, kvh, d]
-        values = _gather(v_cache, block_tables[i], ctx)
-        qi = q[starts[i] : starts[i] + q_len]
+        keys = _seq_kv(k_cache, block_tables_cpu[i], ctx)  # [ctx, kvh, d]
+        values = _seq_kv(v_cache, block_tables_cpu[i], ctx)
+        start = starts[i]
+        if q_len == 1:
+            out[start] = _decode_one(q[start], keys, values, scale).to(out.dtype)
+            continue
+        qi = q[start : start + q_len]
         q_pos = torch.arange(ctx - q_len, ctx, device=q.device)
         mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]
         o = F.scaled_dot_product_attention(
@@ -87,5 +122,5 @@ def paged_attention(
             scale=scale,
             enable_gqa=True,
         )
-        out[starts[i] : starts[i] + q_len] = o[0].transpose(0, 1).to(out.dtype)
+        out[start : start + q_len] = o[0].transpose(0, 1).to(out.dtype)
     return out

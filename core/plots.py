@@ -1,0 +1,109 @@
+"""PNG plots of one run or several overlaid: latency CDFs, percentiles, and timelines."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _cdf(ax, values, label):
+    v = np.sort(np.asarray([x for x in values if x is not None], dtype=float))
+    if v.size:
+        ax.step(v * 1000, np.arange(1, v.size + 1) / v.size, where="post", label=label)
+
+
+def latency_cdfs(results: list[dict], path: Path) -> None:
+    plt = _plt()
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for r in results:
+        reqs = r["requests"]
+        _cdf(axes[0], [q["ttft_s"] for q in reqs], r["label"])
+        _cdf(axes[1], [q["tpot_s"] for q in reqs], r["label"])
+        _cdf(axes[2], [q["e2e_s"] for q in reqs], r["label"])
+    slo = results[0]["summary"]["slo"]
+    for ax, title, line in zip(axes, ("TTFT", "TPOT", "end-to-end latency"), (slo["ttft_s"], slo["tpot_s"], None)):
+        ax.set_title(f"{title} CDF")
+        ax.set_xlabel("ms")
+        ax.set_ylabel("fraction of requests")
+        ax.grid(alpha=0.3)
+        if line:
+            ax.axvline(line * 1000, color="red", ls="--", lw=1, label="SLO")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def latency_percentiles(results: list[dict], path: Path) -> None:
+    plt = _plt()
+    metrics = (("TTFT", "ttft_s"), ("TPOT", "tpot_s"), ("ITL", "itl_s"), ("E2E", "e2e_s"))
+    pcts = ("p50", "p90", "p95", "p99")
+    fig, axes = plt.subplots(1, 4, figsize=(16, 4))
+    width = 0.8 / len(results)
+    for ax, (title, key) in zip(axes, metrics):
+        for i, r in enumerate(results):
+            s = r["summary"].get(key, {})
+            vals = [(s.get(p) or 0) * 1000 for p in pcts]
+            ax.bar(np.arange(4) + i * width, vals, width, label=r["label"])
+        ax.set_xticks(np.arange(4) + width * (len(results) - 1) / 2, pcts)
+        ax.set_title(f"{title} percentiles")
+        ax.set_ylabel("ms")
+        ax.grid(alpha=0.3, axis="y")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def _throughput_series(result: dict, bin_s: float) -> tuple[np.ndarray, np.ndarray]:
+    times = np.asarray([t for q in result["requests"] for t in q.get("token_times_s", [])])
+    if times.size == 0:
+        return np.zeros(0), np.zeros(0)
+    edges = np.arange(0, times.max() + bin_s, bin_s)
+    counts, _ = np.histogram(times, edges)
+    return edges[:-1] + bin_s / 2, counts / bin_s
+
+
+def timeline(results: list[dict], path: Path) -> None:
+    plt = _plt()
+    fig, axes = plt.subplots(3, 1, figsize=(11, 9), sharex=True)
+    longest = max((r["summary"]["duration_s"] for r in results), default=1.0)
+    bin_s = max(longest / 60, 0.25)
+    for r in results:
+        x, y = _throughput_series(r, bin_s)
+        axes[0].plot(x, y, label=r["label"])
+        steps = r.get("steps", [])
+        t = [s["time_s"] for s in steps]
+        usage = [s["kv_usage"] for s in steps]
+        if steps and usage[0] is not None:
+            axes[1].plot(t, np.asarray(usage) * 100, label=r["label"])
+        axes[2].plot(t, [s["num_waiting"] for s in steps], label=f"{r['label']} waiting")
+        axes[2].plot(t, [s["num_running"] for s in steps], ls="--", label=f"{r['label']} running")
+    axes[0].set_ylabel(f"output tok/s ({bin_s:.2g} s bins)")
+    axes[1].set_ylabel("KV cache usage %")
+    axes[2].set_ylabel("requests")
+    axes[2].set_xlabel("time since start (s)")
+    for ax, title in zip(axes, ("throughput over time", "KV-cache usage over time", "queue length over time")):
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def run_plots(results: list[dict], out: Path) -> list[str]:
+    files = {"latency_cdf.png": latency_cdfs, "latency_percentiles.png": latency_percentiles, "timeline.png": timeline}
+    for name, fn in files.items():
+        fn(results, out / name)
+    return list(files)

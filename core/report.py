@@ -1,0 +1,184 @@
+"""Reports for people and machines: report.json, report.md and PNG plots under reports/<name>/."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from core.config import RunConfig
+
+VERSION = 1
+LAT_ROWS = (("TTFT", "ttft_s"), ("TPOT", "tpot_s"), ("ITL", "itl_s"), ("E2E", "e2e_s"), ("queue", "queue_s"),
+            ("prefill", "prefill_s"))
+
+
+def _ms(x) -> str:
+    return "-" if x is None else f"{x * 1000:.0f}" if x >= 0.1 else f"{x * 1000:.1f}"
+
+
+def _f(x, nd=1) -> str:
+    return "-" if x is None else f"{x:,.{nd}f}"
+
+
+def summary_table(results: list[dict]) -> str:
+    """A fixed-width table for the terminal: one row per result."""
+    head = ["run", "req/s", "out tok/s", "total tok/s", "TTFT p50/p99 ms", "TPOT p50/p99 ms", "goodput", "roofline"]
+    rows = []
+    for r in results:
+        s = r["summary"]
+        rows.append([
+            r["label"], _f(s["req_s"], 2), _f(s["output_tok_s"]), _f(s["total_tok_s"]),
+            f"{_ms(s['ttft_s'].get('p50'))}/{_ms(s['ttft_s'].get('p99'))}",
+            f"{_ms(s['tpot_s'].get('p50'))}/{_ms(s['tpot_s'].get('p99'))}",
+            f"{s['slo']['attained'] * 100:.0f}%", f"{r['roofline']['fraction_of_roofline'] * 100:.1f}%",
+        ])
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]
+    lines += ["  ".join(str(v).ljust(w) for v, w in zip(row, widths)) for row in rows]
+    return "\n".join(lines)
+
+
+def _md_table(head: list[str], rows: list[list]) -> str:
+    out = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    out += ["| " + " | ".join(str(v) for v in row) + " |" for row in rows]
+    return "\n".join(out)
+
+
+def _latency_table(s: dict) -> str:
+    rows = []
+    for label, key in LAT_ROWS:
+        p = s.get(key, {})
+        rows.append([label + " (ms)", _ms(p.get("mean")), _ms(p.get("p50")), _ms(p.get("p90")), _ms(p.get("p95")),
+                     _ms(p.get("p99")), _ms(p.get("max"))])
+    return _md_table(["latency", "mean", "p50", "p90", "p95", "p99", "max"], rows)
+
+
+def _workload_md(w: dict) -> str:
+    p, o = w["prompt_tokens"], w["output_tokens"]
+    lines = [
+        f"- workload **{w['name']}** ({w['kind']}), {w['num_requests']} requests, arrivals: {w['arrival']}",
+        f"- prompt tokens: mean {p.get('mean')}, p50 {p.get('p50'):.0f}, p90 {p.get('p90'):.0f}, p99 {p.get('p99'):.0f}, "
+        f"max {p.get('max')}; output tokens: mean {o.get('mean')}, p50 {o.get('p50'):.0f}, p99 {o.get('p99'):.0f}, max {o.get('max')}",
+        f"- length scale x{w['length_scale']}; prompts cut to fit max_model_len: {w['num_capped']}",
+    ]
+    lines += [f"- {n}" for n in w.get("notes", [])]
+    return "\n".join(lines)
+
+
+def _roofline_md(r: dict, s: dict) -> str:
+    f = r["workload_floor"]
+    lines = [
+        f"- machine: {r['peak_gflops']:.0f} GFLOP/s matmul peak (model dtype), {r['mem_bandwidth_gbs']:.1f} GB/s "
+        f"memory bandwidth (measured); weights {r['weight_bytes'] / 1e6:.0f} MB",
+        f"- workload floor: {f['time_s']:.2f} s ({f['bound']}-bound: compute {f['compute_s']:.2f} s, memory "
+        f"{f['memory_s']:.2f} s) = {_f(r['roofline_total_tok_s'])} total tok/s at most",
+        f"- achieved: {s['duration_s']:.2f} s, **{r['fraction_of_roofline'] * 100:.1f} % of the roofline**",
+    ]
+    if r.get("schedule_floor"):
+        sf = r["schedule_floor"]
+        lines.append(f"- the schedule actually run ({sf['steps_compute_bound'] + sf['steps_memory_bound']} steps; "
+                     f"{sf['steps_compute_bound']} compute-bound, {sf['steps_memory_bound']} memory-bound) could take "
+                     f"{sf['time_s']:.2f} s at best")
+    return "\n".join(lines)
+
+
+def _header(result: dict) -> str:
+    c = result["config"]
+    comp = ", ".join(f"{k}={c[k]['name']}" for k in ("scheduler", "cache", "quant", "decoder", "backend"))
+    m = result["machine"]
+    return (f"- model: {result['model']['path']} ({result['model']['architecture']}, {result['model']['dtype']}, "
+            f"max_model_len {c['model']['max_model_len']})\n- components: {comp}; max_num_seqs "
+            f"{c['scheduler']['max_num_seqs']}, max_num_batched_tokens {c['scheduler']['max_num_batched_tokens']}\n"
+            f"- KV cache: {result['kv_cache']}\n"
+            f"- machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['torch_threads']} threads)")
+
+
+def run_markdown(result: dict, plots: list[str]) -> str:
+    s = result["summary"]
+    kv = s.get("kv_usage")
+    pc = s.get("prefix_cache", {})
+    throughput = _md_table(
+        ["requests", "duration (s)", "req/s", "output tok/s", "total tok/s", "goodput (req/s)", "SLO attained",
+         "preemptions"],
+        [[s["num_requests"], _f(s["duration_s"], 2), _f(s["req_s"], 3), _f(s["output_tok_s"]), _f(s["total_tok_s"]),
+          _f(s["goodput_req_s"], 3), f"{s['slo']['attained'] * 100:.1f} %", s["preemptions"]]],
+    )
+    lines = [
+        f"# servelab run: {result['label']}", "", _header(result), "", "## Workload", "", _workload_md(result["workload"]),
+        "", "## Throughput", "", throughput, "",
+        f"Goodput counts requests with TTFT <= {s['slo']['ttft_s']} s and TPOT <= {s['slo']['tpot_s'] * 1000:.0f} ms.",
+        "", "## Latency", "", _latency_table(s), "",
+        "TPOT = (e2e - TTFT) / (output tokens - 1); ITL = every gap between consecutive tokens.", "",
+        "## KV cache", "",
+        f"- usage: peak {kv['peak'] * 100:.1f} %, mean {kv['mean'] * 100:.1f} %" if kv else "- usage: not reported by this backend",
+        f"- prefix cache: {pc.get('hits', 0)} of {pc.get('queries', 0)} prompt tokens hit ({pc.get('hit_rate', 0) * 100:.1f} %)",
+        "", "## The physical limit", "", _roofline_md(result["roofline"], s), "",
+    ]
+    if plots:
+        lines += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
+    return "\n".join(lines)
+
+
+def _ratio(a, b) -> str:
+    return "-" if not a or not b else f"{a / b:.2f}x"
+
+
+def comparison_markdown(results: list[dict], plots: list[str]) -> str:
+    base = results[0]
+    head = ["run", "req/s", "output tok/s", "total tok/s", "TTFT p50 (ms)", "TTFT p99 (ms)", "TPOT p50 (ms)",
+            "TPOT p99 (ms)", "E2E p99 (ms)", "goodput (req/s)", "roofline"]
+    rows = []
+    for r in results:
+        s = r["summary"]
+        rows.append([r["label"], _f(s["req_s"], 3), _f(s["output_tok_s"]), _f(s["total_tok_s"]), _ms(s["ttft_s"].get("p50")),
+                     _ms(s["ttft_s"].get("p99")), _ms(s["tpot_s"].get("p50")), _ms(s["tpot_s"].get("p99")),
+                     _ms(s["e2e_s"].get("p99")), _f(s["goodput_req_s"], 3),
+                     f"{r['roofline']['fraction_of_roofline'] * 100:.1f} %"])
+    ratios = []
+    for r in results[1:]:
+        s, b = r["summary"], base["summary"]
+        ratios.append([r["label"], _ratio(s["output_tok_s"], b["output_tok_s"]), _ratio(s["total_tok_s"], b["total_tok_s"]),
+                       _ratio(s["ttft_s"].get("p50"), b["ttft_s"].get("p50")), _ratio(s["ttft_s"].get("p99"), b["ttft_s"].get("p99")),
+                       _ratio(s["tpot_s"].get("p50"), b["tpot_s"].get("p50")), _ratio(s["e2e_s"].get("p99"), b["e2e_s"].get("p99"))])
+    lines = [
+        f"# servelab comparison: {' vs '.join(r['label'] for r in results)}", "",
+        "All runs in one invocation, on the same machine, the same workload and the same model file.", "",
+        _header(base), "", "## Workload", "", _workload_md(base["workload"]), "", "## Results", "", _md_table(head, rows), "",
+        f"## Ratios against `{base['label']}`", "",
+        _md_table(["run", "output tok/s", "total tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "E2E p99"], ratios), "",
+        "Throughput ratios > 1 and latency ratios < 1 favour the row.", "",
+    ]
+    for r in results:
+        lines += [f"### `{r['label']}`", "", _latency_table(r["summary"]), "", _roofline_md(r["roofline"], r["summary"]), ""]
+    if plots:
+        lines += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
+    return "\n".join(lines)
+
+
+def _write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=1, default=str) + "\n")
+
+
+def write_run(result: dict, name: str, rc: RunConfig) -> Path:
+    from core import plots
+
+    out = Path(rc.report_dir) / name
+    out.mkdir(parents=True, exist_ok=True)
+    result = {**result, "name": name, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    images = plots.run_plots([result], out) if rc.plots else []
+    _write_json(out / "report.json", result)
+    (out / "report.md").write_text(run_markdown(result, images))
+    return out
+
+
+def write_comparison(results: list[dict], name: str, rc: RunConfig) -> Path:
+    from core import plots
+
+    out = Path(rc.report_dir) / name
+    out.mkdir(parents=True, exist_ok=True)
+    images = plots.run_plots(results, out) if rc.plots else []
+    _write_json(out / "report.json", {"name": name, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                                      "report_version": VERSION, "runs": results})
+    (out / "report.md").write_text(comparison_markdown(results, images))
+    return out
