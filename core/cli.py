@@ -12,7 +12,7 @@ import sys
 import time
 from importlib import resources
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from core.config import run_config
 from core.errors import ConfigError, ServelabError
@@ -40,7 +40,8 @@ def _rewrite_plugin_overrides(overrides: list[str]) -> list[str]:
 
 
 def compose(overrides: list[str]) -> DictConfig:
-    from hydra import compose as hydra_compose, initialize_config_module
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
 
     overrides = _rewrite_plugin_overrides(list(overrides))

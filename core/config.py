@@ -15,7 +15,7 @@ from core.errors import ConfigError
 class ModelConfig:
     name: str = "smollm2-135m"
     path: str | None = None  # HF directory or GGUF file; None: the embedded default model
-    dtype: str = "fp32"  # fp32 | bf16
+    dtype: str = "bf16"  # bf16 | fp32
     max_model_len: int = 2048  # prompt + output tokens per sequence
     device: str = "cpu"
     extra: dict[str, Any] = field(default_factory=dict)

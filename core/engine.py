@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 import torch
 
@@ -37,6 +37,7 @@ class RequestState:
     prompt_token_ids: list[int]
     seqs: list[Sequence]
     deltas: dict[int, tuple[str, list[int]]] = field(default_factory=dict)
+    unforked: list[Sequence] = field(default_factory=list)  # samples 1..n-1, forked after the prompt's prefill
 
     @property
     def finished(self) -> bool:
@@ -135,11 +136,15 @@ class Engine:
                     f"({self.allocator.num_blocks} blocks of {self.allocator.block_size} tokens)"
                 )
         n = len(prompt_token_ids)
+        # With an allocator that can fork, the n samples share one prefill of the prompt.
+        share = len(seqs) > 1 and getattr(self.allocator, "supports_fork", False)
         for seq in seqs:
             seq.prefix_offset, seq.read_offset = max(n - 5, 0), n
             self._seqs[seq.seq_id] = seq
+        for seq in seqs[:1] if share else seqs:
             self.scheduler.add(seq)
-        self.requests[request_id] = RequestState(request_id, prompt, list(prompt_token_ids), seqs)
+        self.requests[request_id] = RequestState(request_id, prompt, list(prompt_token_ids), seqs,
+                                                 unforked=seqs[1:] if share else [])
         return request_id
 
     def abort(self, request_id: str) -> None:
@@ -172,6 +177,7 @@ class Engine:
                 s.seq.timings.first_scheduled = t0
         proposals = self.decoder.propose(scheduled)
         batch = self._model_input(scheduled)
+        self.backend.copy_blocks(self.allocator.take_block_copies())
         logits = self.backend.execute(batch)
         sampling = [s for s in scheduled if s.needs_sample]
         now = time.perf_counter()
@@ -185,6 +191,11 @@ class Engine:
             seq.num_computed_tokens += s.num_new_tokens
             if seq.timings.prefill_done is None and not seq.in_prefill:
                 seq.timings.prefill_done = now
+        forked = self._fork_samples(sampling, now)
+        if forked:  # each forked sample draws its first token from its parent's logits row
+            rows = [sampling.index(parent) for parent, _ in forked]
+            logits = torch.cat([logits, logits[rows]])
+            sampling = sampling + [child for _, child in forked]
         accepted = self.decoder.accept(logits, sampling, proposals)
         now = time.perf_counter()
         touched: dict[str, RequestState] = {}
@@ -196,6 +207,9 @@ class Engine:
                     break
                 self._append(seq, token, now, state)
             touched[state.request_id] = state
+        for _, child in forked:
+            if not child.is_finished:
+                self.scheduler.add(child)
         outputs = [self._output(state) for state in touched.values()]
         for state in touched.values():
             if state.finished:
@@ -212,6 +226,22 @@ class Engine:
             attn_pairs=sum(q * (c - (q - 1) / 2) for q, c in zip(qlens, ctxs)),
         ))
         return outputs
+
+    def _fork_samples(self, sampling: list[ScheduledSeq], now: float) -> list[tuple[ScheduledSeq, ScheduledSeq]]:
+        """Fork the waiting samples of requests whose prompt just finished prefilling."""
+        forked = []
+        for s in sampling:
+            state = self.requests[s.seq.request_id]
+            if not state.unforked or s.seq.num_output_tokens:
+                continue
+            for child in state.unforked:
+                self.allocator.fork(s.seq, child)
+                child.status = SequenceStatus.RUNNING
+                child.timings.first_scheduled = s.seq.timings.first_scheduled
+                child.timings.prefill_done = now
+                forked.append((s, ScheduledSeq(child, 0)))
+            state.unforked = []
+        return forked
 
     def _model_input(self, scheduled: list[ScheduledSeq]) -> ModelInput:
         ids: list[int] = []

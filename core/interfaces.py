@@ -29,8 +29,13 @@ class CacheAllocator(Protocol):
     def can_admit(self, seq: Sequence) -> bool:
         """Could this sequence ever fit if the pool were empty?"""
 
+    def match_prefix(self, seq: Sequence) -> int:
+        """Leading tokens of a fresh sequence already cached (a lookup: nothing is taken). The
+        scheduler sets num_computed_tokens to it before `allocate`, and back to 0 if that fails."""
+
     def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Reserve room for `num_new_tokens` more tokens; False if there is none (caller may preempt)."""
+        """Reserve room for tokens [num_computed, num_computed + num_new_tokens); False if there
+        is none (the caller may preempt). Nothing changes when it fails."""
 
     def fork(self, parent: Sequence, child: Sequence) -> None: ...
 
@@ -40,6 +45,9 @@ class CacheAllocator(Protocol):
     def free(self, seq: Sequence) -> None: ...
 
     def attention_metadata(self, scheduled: list[ScheduledSeq]) -> AttentionMetadata: ...
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """(src, dst) block copies owed before the next forward (copy-on-write after fork)."""
 
     def stats(self) -> CacheStats: ...
 
@@ -78,6 +86,9 @@ class Decoder(Protocol):
 @runtime_checkable
 class Backend(Protocol):
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None: ...
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole KV blocks src -> dst in every layer."""
 
     def execute(self, batch: ModelInput) -> torch.Tensor:
         """Logits [len(batch.logits_indices), vocab] in fp32."""

@@ -86,9 +86,11 @@ def timeline(results: list[dict], path: Path) -> None:
         t = [s["time_s"] for s in steps]
         usage = [s["kv_usage"] for s in steps]
         if steps and usage[0] is not None:
-            axes[1].plot(t, np.asarray(usage) * 100, label=r["label"])
-        axes[2].plot(t, [s["num_waiting"] for s in steps], label=f"{r['label']} waiting")
-        axes[2].plot(t, [s["num_running"] for s in steps], ls="--", label=f"{r['label']} running")
+            # a step's stats are taken at its end and hold during it: draw them over the step
+            axes[1].plot(t, np.asarray(usage) * 100, drawstyle="steps-pre", label=r["label"])
+        axes[2].plot(t, [s["num_waiting"] for s in steps], drawstyle="steps-pre", label=f"{r['label']} waiting")
+        axes[2].plot(t, [s["num_running"] for s in steps], drawstyle="steps-pre", ls="--",
+                     label=f"{r['label']} running")
     axes[0].set_ylabel(f"output tok/s ({bin_s:.2g} s bins)")
     axes[1].set_ylabel("KV cache usage %")
     axes[2].set_ylabel("requests")

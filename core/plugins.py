@@ -8,8 +8,9 @@ source tree that is not installed, the in-repo modules are registered by name in
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import pluggy
 
@@ -21,7 +22,9 @@ hookimpl = pluggy.HookimplMarker("servelab")
 ENTRY_POINT_GROUP = "servelab.plugins"
 BUILTIN_PLUGINS = (
     "plugins.schedulers.static",
+    "plugins.schedulers.continuous",
     "plugins.cache.contiguous",
+    "plugins.cache.paged",
     "plugins.quant.none",
     "plugins.decoders.sampling",
     "plugins.backends.torch_backend",

@@ -156,8 +156,19 @@ def comparison_markdown(results: list[dict], plots: list[str]) -> str:
     return "\n".join(lines)
 
 
+def _compact(obj):
+    """Round floats to microseconds-ish and drop raw token timestamps (ITLs keep the gaps)."""
+    if isinstance(obj, float):
+        return round(obj, 6)
+    if isinstance(obj, dict):
+        return {k: _compact(v) for k, v in obj.items() if k != "token_times_s"}
+    if isinstance(obj, list):
+        return [_compact(v) for v in obj]
+    return obj
+
+
 def _write_json(path: Path, obj) -> None:
-    path.write_text(json.dumps(obj, indent=1, default=str) + "\n")
+    path.write_text(json.dumps(_compact(obj), default=str) + "\n")
 
 
 def write_run(result: dict, name: str, rc: RunConfig) -> Path:

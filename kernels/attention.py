@@ -20,12 +20,25 @@ def write_kv(
     v_cache.view(num_blocks * block_size, *v_cache.shape[2:])[slot_mapping] = v.to(v_cache.dtype)
 
 
-def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """The first `length` tokens of one or more sequences: block_table [..., max_blocks] -> [..., length, h, d]."""
+def _gather_padded(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
+    """Several sequences' first `length` tokens, padded: [B, length, h, d], copied block by block."""
     block_size = cache.shape[1]
-    pos = torch.arange(length, device=cache.device)
-    slots = block_table[..., pos // block_size].long() * block_size + pos % block_size
-    return cache.view(-1, *cache.shape[2:])[slots]
+    num_blocks = -(-length // block_size)
+    if num_blocks == 1:  # one (possibly huge, e.g. contiguous) block each: copy only what is used
+        return cache[block_tables[:, 0].long(), :length]
+    return cache[block_tables[:, :num_blocks].long()].flatten(1, 2)[:, :length]
+
+
+def _decode_batched(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lens: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """One query per sequence: q [B, h, d] over padded keys/values [B, T, kvh, d], `lens` valid each."""
+    b, t, kvh, d = keys.shape
+    qg = q.view(b, kvh, q.shape[1] // kvh, d).to(keys.dtype)
+    scores = torch.einsum("bgqd,btgd->bgqt", qg, keys).float() * scale
+    valid = torch.arange(t, device=q.device)[None, :] < lens[:, None]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = scores.softmax(dim=-1).to(values.dtype)
+    return torch.einsum("bgqt,btgd->bgqd", probs, values).reshape(q.shape)
 
 
 def _seq_kv(cache: torch.Tensor, blocks: list[int], length: int) -> torch.Tensor:
@@ -48,8 +61,8 @@ def _decode_one(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale
     return torch.einsum("gqt,tgd->gqd", probs, values).reshape(q.shape)
 
 
-# Above this many one-token queries a step, one padded batched call beats a loop over sequences.
-BATCHED_DECODE_MIN_SEQS = 48
+# From this many one-token queries a step, one padded batched call beats a loop over sequences.
+BATCHED_DECODE_MIN_SEQS = 2
 
 
 def paged_attention(
@@ -81,26 +94,16 @@ def paged_attention(
     out = torch.empty_like(q)
     starts = query_start_loc.tolist()
     decode = [i for i, n in enumerate(query_lens_cpu) if n == 1]
+    done: set[int] = set()
     if len(decode) >= BATCHED_DECODE_MIN_SEQS:
-        # Many one-token queries: one padded call, each sees every cached token of its own sequence.
+        # All one-token queries in one padded call: each sees every cached token of its own sequence.
         idx = torch.tensor(decode, device=q.device)
-        max_ctx = max(context_lens_cpu[i] for i in decode)
         rows = torch.tensor([starts[i] for i in decode], device=q.device)
-        keys = _gather(k_cache, block_tables[idx], max_ctx)  # [B, max_ctx, kvh, d]
-        values = _gather(v_cache, block_tables[idx], max_ctx)
-        mask = torch.arange(max_ctx, device=q.device)[None, :] < context_lens[idx][:, None]
-        o = F.scaled_dot_product_attention(
-            q[rows].unsqueeze(2).to(keys.dtype),  # [B, h, 1, d]
-            keys.transpose(1, 2),
-            values.transpose(1, 2),
-            attn_mask=mask[:, None, None, :],
-            scale=scale,
-            enable_gqa=True,
-        )
-        out[rows] = o.squeeze(2).to(out.dtype)
+        max_ctx = max(context_lens_cpu[i] for i in decode)
+        keys = _gather_padded(k_cache, block_tables[idx], max_ctx)
+        values = _gather_padded(v_cache, block_tables[idx], max_ctx)
+        out[rows] = _decode_batched(q[rows], keys, values, context_lens[idx], scale).to(out.dtype)
         done = set(decode)
-    else:
-        done = set()
     for i, q_len in enumerate(query_lens_cpu):
         if q_len == 0 or i in done:
             continue

@@ -111,10 +111,26 @@ def sample_quantiles(table: dict, n: int, rng: np.random.Generator) -> np.ndarra
     return np.interp(rng.random(n), table["probs"], table["values"])
 
 
-def table_cdf(table: dict, x: np.ndarray) -> np.ndarray:
-    """The CDF that `sample_quantiles` draws from (for tests)."""
-    values, probs = np.asarray(table["values"]), np.asarray(table["probs"])
-    return np.interp(x, values, probs, left=0.0, right=1.0)
+def table_cdf(table: dict, x: np.ndarray, left: bool = False) -> np.ndarray:
+    """The CDF that `sample_quantiles` draws from, F(x) (or its left limit F(x-)); plateaus of
+    equal quantile values (discrete lengths) are atoms. For tests and reports."""
+    v, p = np.asarray(table["values"], dtype=float), np.asarray(table["probs"], dtype=float)
+    x = np.asarray(x, dtype=float)
+    idx = np.searchsorted(v, x, side="left" if left else "right") - 1  # last point below (or at) x
+    out = np.where(idx >= 0, p[np.clip(idx, 0, None)], 0.0)
+    nxt = np.clip(idx + 1, 0, len(v) - 1)
+    inside = (idx >= 0) & (idx < len(v) - 1) & (v[nxt] > v[np.clip(idx, 0, None)])
+    frac = np.where(inside, (x - v[np.clip(idx, 0, None)]) / np.where(inside, v[nxt] - v[np.clip(idx, 0, None)], 1), 0)
+    return np.clip(out + frac * (p[nxt] - out) * inside, 0.0, 1.0)
+
+
+def ks_distance(table: dict, samples: np.ndarray) -> float:
+    """Kolmogorov-Smirnov distance between samples and the table's distribution (atoms allowed)."""
+    u, counts = np.unique(np.asarray(samples, dtype=float), return_counts=True)
+    n = counts.sum()
+    ecdf = np.cumsum(counts) / n
+    return float(max(np.max(np.abs(ecdf - table_cdf(table, u))),
+                     np.max(np.abs(table_cdf(table, u, left=True) - (ecdf - counts / n)))))
 
 
 # ---- arrivals -------------------------------------------------------------------------------

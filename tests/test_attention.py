@@ -51,14 +51,17 @@ def _case(q_lens, ctx_lens, block_size, scattered, seed=0, heads=6, kv_heads=2, 
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_mixed_prefill_and_decode_match_dense(scattered, block_size):
     q_lens, ctx_lens = [5, 1, 1, 9, 1], [5, 17, 3, 30, 40]  # a fresh prefill, decodes, a chunk after a cached prefix
+    if block_size == 4:
+        q_lens, ctx_lens = [7, 1], [7, 21]  # a lone decode goes the per-sequence way
     q, kc, vc, bt, cl, qsl, keys, values = _case(q_lens, ctx_lens, block_size, scattered)
     out = paged_attention(q, kc, vc, bt, cl, qsl, scale=0.25)
     ref = dense_reference(q, keys, values, q_lens, 0.25)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
-def test_batched_decode_path_matches_dense(monkeypatch):
-    monkeypatch.setattr(attention, "BATCHED_DECODE_MIN_SEQS", 2)
+@pytest.mark.parametrize("batched_from", [2, 99])  # one padded call for all decodes, or one per sequence
+def test_decode_paths_match_dense(monkeypatch, batched_from):
+    monkeypatch.setattr(attention, "BATCHED_DECODE_MIN_SEQS", batched_from)
     q_lens, ctx_lens = [1, 1, 1, 4], [7, 33, 2, 10]
     q, kc, vc, bt, cl, qsl, keys, values = _case(q_lens, ctx_lens, 8, True, seed=3)
     out = paged_attention(q, kc, vc, bt, cl, qsl, scale=0.25)

@@ -12,7 +12,7 @@ def test_defaults_compose_to_typed_dataclasses():
     assert isinstance(ec, EngineConfig) and isinstance(ec.scheduler, SchedulerConfig)
     assert (ec.model.name, ec.scheduler.name, ec.cache.name, ec.quant.name, ec.decoder.name, ec.backend.name) == (
         "smollm2-135m", "static", "contiguous", "none", "sampling", "torch")
-    assert ec.model.path is None and ec.model.dtype == "fp32"
+    assert ec.model.path is None and ec.model.dtype == "bf16"
 
 
 def test_overrides_reach_the_dataclasses():

@@ -27,7 +27,7 @@ NEW_TOKENS = 16
 
 @pytest.fixture(scope="module")
 def engine(default_gguf):
-    cfg = EngineConfig(model=ModelConfig(max_model_len=256), scheduler=SchedulerConfig(max_num_seqs=8))
+    cfg = EngineConfig(model=ModelConfig(dtype="fp32", max_model_len=256), scheduler=SchedulerConfig(max_num_seqs=8))
     return Engine(cfg)
 
 

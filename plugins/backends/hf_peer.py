@@ -55,6 +55,7 @@ class HFPeer:
             kwargs["gguf_file"] = p.name
             p = p.parent
         transformers.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
         return transformers.AutoModelForCausalLM.from_pretrained(str(p), **kwargs).eval()
 
     def run(self, model, requests, max_num_seqs: int, pad_token_id: int, progress=None) -> tuple[list[dict], list[dict]]:
@@ -86,7 +87,7 @@ class HFPeer:
             with torch.inference_mode():
                 model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
                                do_sample=False, pad_token_id=pad_token_id, streamer=clock)
-            for i, r in enumerate(batch):
+            for r in batch:
                 times = clock.times[: r.output_len]
                 arrival = start + r.arrival_s
                 ttft, e2e = times[0] - arrival, times[-1] - arrival

@@ -28,6 +28,16 @@ class TorchBackend:
         ]
 
     @torch.inference_mode()
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        for k, v in self.kv_caches:
+            k[dst] = k[src]
+            v[dst] = v[src]
+
+    @torch.inference_mode()
     def execute(self, batch: ModelInput) -> torch.Tensor:
         hidden = self.model(batch.input_ids, batch.positions, batch.attn, self.kv_caches)
         return self.model.compute_logits(hidden[batch.logits_indices])

@@ -33,6 +33,9 @@ class ContiguousAllocator:
     def can_admit(self, seq: Sequence) -> bool:
         return seq.num_prompt_tokens < self.spec.max_model_len
 
+    def match_prefix(self, seq: Sequence) -> int:
+        return 0  # no prefix caching: every sequence owns its slot
+
     def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         if seq.num_computed_tokens + num_new_tokens > self.block_size:
             return False
@@ -53,6 +56,9 @@ class ContiguousAllocator:
         slot = self._slot.pop(seq.seq_id, None)
         if slot is not None:
             self._free.append(slot)
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        return []
 
     def attention_metadata(self, scheduled: list[ScheduledSeq]) -> AttentionMetadata:
         tables = [[self._slot[s.seq.seq_id]] for s in scheduled]

@@ -46,7 +46,9 @@ class StaticScheduler:
             prompt = seq.num_tokens - seq.num_computed_tokens
             if batch and prompt > budget:
                 break
-            if not self.allocator.allocate(seq, prompt):
+            # Reserve room for the whole sequence now, so the batch can always run to the end.
+            longest = min(seq.num_prompt_tokens + seq.params.max_tokens, self.allocator.spec.max_model_len)
+            if not self.allocator.allocate(seq, longest - seq.num_computed_tokens):
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING

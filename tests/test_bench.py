@@ -1,0 +1,62 @@
+"""`run` and `compare` end to end on a tiny model: every request recorded, reports readable."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from core.bench import compare
+from core.cli import expand_sweeps
+
+BASE = ["workload=fixed", "workload.num_requests=6", "workload.prompt_len=24", "workload.output_len=5",
+        "model.max_model_len=64", "model.dtype=fp32", "run.warmup_requests=1", "run.progress=false"]
+
+
+@pytest.fixture()
+def base(tiny_llama, tmp_path):
+    return BASE + [f"model.path={tiny_llama}", f"run.report_dir={tmp_path}"]
+
+
+def test_run_writes_a_complete_report(base, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "core", "run", *base, "run.name=one", "scheduler.max_num_seqs=4",
+                        "workload.arrival=poisson", "workload.rate=50"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "out tok/s" in r.stdout and "report:" in r.stdout
+    out = tmp_path / "one"
+    report = json.loads((out / "report.json").read_text())
+    assert len(report["requests"]) == 6
+    for q in report["requests"]:
+        assert q["num_output_tokens"] == 5 and q["num_prompt_tokens"] == 24
+        assert 0 <= q["queue_s"] <= q["ttft_s"] <= q["e2e_s"]
+        assert len(q["itl_s"]) == 4
+    s = report["summary"]
+    assert s["num_requests"] == 6 and s["output_tokens"] == 30
+    assert s["ttft_s"]["p50"] <= s["ttft_s"]["p99"]
+    assert 0 < report["roofline"]["fraction_of_roofline"] <= 1.0
+    assert report["machine"]["cores"] >= 1 and report["workload"]["num_requests"] == 6
+    assert report["steps"] and all("kv_usage" in st for st in report["steps"])
+    md = (out / "report.md").read_text()
+    for section in ("## Throughput", "## Latency", "## The physical limit", "![timeline.png](timeline.png)"):
+        assert section in md
+    for png in ("latency_cdf.png", "latency_percentiles.png", "timeline.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_compare_puts_the_hf_peer_in_the_same_table(base, tmp_path):
+    compare(base, [["backend=torch"], ["backend=hf"]], ["servelab", "hf"], "cmp")
+    report = json.loads((tmp_path / "cmp" / "report.json").read_text())
+    assert [r["label"] for r in report["runs"]] == ["servelab", "hf"]
+    for run in report["runs"]:
+        assert len(run["requests"]) == 6
+        assert all(q["num_output_tokens"] == 5 and q["ttft_s"] <= q["e2e_s"] for q in run["requests"])
+    md = (tmp_path / "cmp" / "report.md").read_text()
+    assert "| servelab |" in md and "| hf |" in md and "Ratios against `servelab`" in md
+
+
+def test_multirun_sweep_expands_to_variants():
+    fixed, variants = expand_sweeps(["scheduler=static", "backend=torch,hf", "model.dtype=fp32,bf16"])
+    assert fixed == ["scheduler=static"]
+    assert variants == [["backend=torch", "model.dtype=fp32"], ["backend=torch", "model.dtype=bf16"],
+                        ["backend=hf", "model.dtype=fp32"], ["backend=hf", "model.dtype=bf16"]]

@@ -1,0 +1,85 @@
+"""Metrics on constructed timelines."""
+
+import math
+
+import pytest
+
+from core.metrics import meets_slo, percentiles, request_metrics, summarize
+from core.model import ModelArgs
+from core.roofline import CostModel
+from core.types import SamplingParams, Sequence, SequenceStatus
+
+
+def _seq(arrival, scheduled, token_times, prompt=10):
+    s = Sequence("r", [1] * prompt, SamplingParams(max_tokens=len(token_times)), arrival_time=arrival)
+    s.timings.first_scheduled = scheduled
+    s.timings.prefill_done = token_times[0] - 0.01
+    s.timings.first_token = token_times[0]
+    s.timings.token_times = list(token_times)
+    s.timings.finished = token_times[-1]
+    s.output_token_ids = [5] * len(token_times)
+    s.status = SequenceStatus.FINISHED_LENGTH
+    return s
+
+
+def test_request_metrics_on_a_constructed_timeline():
+    m = request_metrics(_seq(arrival=1.0, scheduled=1.5, token_times=[2.0, 2.1, 2.3, 2.6]))
+    assert m["queue_s"] == pytest.approx(0.5)
+    assert m["ttft_s"] == pytest.approx(1.0)
+    assert m["e2e_s"] == pytest.approx(1.6)
+    assert m["tpot_s"] == pytest.approx(0.6 / 3)  # (e2e - ttft) / (n - 1)
+    assert m["itl_s"] == pytest.approx([0.1, 0.2, 0.3])
+    assert m["prefill_s"] == pytest.approx(0.49)
+    assert m["finish_reason"] == "length"
+
+
+def test_tpot_undefined_with_one_output_token():
+    m = request_metrics(_seq(arrival=0.0, scheduled=0.0, token_times=[0.4]))
+    assert m["ttft_s"] == pytest.approx(0.4) and m["e2e_s"] == pytest.approx(0.4)
+    assert m["tpot_s"] is None and m["itl_s"] == []
+
+
+def test_percentiles_interpolate_linearly():
+    p = percentiles(list(range(1, 101)) + [None])  # None (undefined TPOT) is skipped
+    assert p["n"] == 100 and p["mean"] == pytest.approx(50.5)
+    assert p["p50"] == pytest.approx(50.5) and p["p90"] == pytest.approx(90.1) and p["p99"] == pytest.approx(99.01)
+    assert percentiles([None]) == {"n": 0}
+
+
+def test_goodput_counts_requests_meeting_both_slos():
+    records = [
+        {"ttft_s": 0.5, "tpot_s": 0.04, "num_output_tokens": 10, "num_prompt_tokens": 5, "itl_s": []},  # good
+        {"ttft_s": 1.5, "tpot_s": 0.01, "num_output_tokens": 10, "num_prompt_tokens": 5, "itl_s": []},  # TTFT too slow
+        {"ttft_s": 0.2, "tpot_s": 0.06, "num_output_tokens": 10, "num_prompt_tokens": 5, "itl_s": []},  # TPOT too slow
+        {"ttft_s": 0.9, "tpot_s": None, "num_output_tokens": 1, "num_prompt_tokens": 5, "itl_s": []},  # 1 token: TTFT only
+    ]
+    assert [meets_slo(r, 1.0, 0.05) for r in records] == [True, False, False, True]
+    s = summarize(records, duration_s=4.0, slo_ttft_s=1.0, slo_tpot_s=0.05)
+    assert s["goodput_req_s"] == pytest.approx(0.5) and s["slo"]["attained"] == pytest.approx(0.5)
+    assert s["output_tok_s"] == pytest.approx(31 / 4) and s["total_tok_s"] == pytest.approx(51 / 4)
+    assert s["req_s"] == pytest.approx(1.0)
+
+
+def test_summary_kv_usage_and_prefix_hits_from_steps():
+    rec = [{"ttft_s": 0.1, "tpot_s": None, "num_output_tokens": 1, "num_prompt_tokens": 5, "itl_s": []}]
+    steps = [{"kv_usage": 0.2, "prefix_queries": 10, "prefix_hits": 0}, {"kv_usage": 0.6, "prefix_queries": 40,
+                                                                         "prefix_hits": 30}]
+    s = summarize(rec, 1.0, steps)
+    assert s["kv_usage"] == {"peak": 0.6, "mean": pytest.approx(0.4)}
+    assert s["prefix_cache"]["hit_rate"] == pytest.approx(0.75)
+
+
+def test_cost_model_bounds():
+    args = ModelArgs(vocab_size=1000, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                     num_kv_heads=2, head_dim=16)
+    cm = CostModel(args, weight_bytes=1_000_000, kv_bytes_per_token=256, peak_gflops=1.0, bandwidth_gbs=1.0)
+    # per layer: q 64x64 + k,v 2x64x32 + o 64x64 + mlp 3x64x128
+    assert cm.linear_params == 2 * (64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128)
+    t, bound = cm.step_time(num_tokens=1, num_sampled=1, attn_pairs=10, kv_tokens_read=10)
+    assert bound == "memory" and t == pytest.approx((1_000_000 + 256 * 11) / 1e9)
+    t, bound = cm.step_time(num_tokens=4096, num_sampled=1, attn_pairs=0, kv_tokens_read=0)
+    assert bound == "compute" and t == pytest.approx((2 * cm.linear_params * 4096 + 2 * 64000) / 1e9)
+    floor = cm.workload_floor([10, 20], [1, 5])
+    assert floor["time_s"] == max(floor["compute_s"], floor["memory_s"])
+    assert floor["memory_s"] >= 5 * 1_000_000 / 1e9  # the longest request needs 5 weight reads
+    assert math.isfinite(floor["flops"])
