@@ -208,8 +208,8 @@ class Engine:
                 self._append(seq, token, now, state)
             touched[state.request_id] = state
         for _, child in forked:
-            if not child.is_finished:
-                self.scheduler.add(child)
+            if not child.seq.is_finished:
+                self.scheduler.add(child.seq)
         outputs = [self._output(state) for state in touched.values()]
         for state in touched.values():
             if state.finished:

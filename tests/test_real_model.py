@@ -89,3 +89,16 @@ def test_cli_generate_says_paris():
                         "--max-tokens", "8"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
+
+
+def test_continuous_paged_equals_static_contiguous_on_the_real_model(engine):
+    from core.config import CacheConfig
+
+    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+    static = [o.outputs[0].token_ids for o in engine.generate(PROMPTS, params)]
+    cfg = EngineConfig(model=ModelConfig(dtype="fp32", max_model_len=256),
+                       scheduler=SchedulerConfig(name="continuous", max_num_seqs=8, max_num_batched_tokens=24),
+                       cache=CacheConfig(name="paged", block_size=4, memory_gb=0.05))
+    paged = Engine(cfg, loaded=engine.loaded)
+    assert [o.outputs[0].token_ids for o in paged.generate(PROMPTS, params)] == static
+    assert paged.allocator.stats().num_free_blocks == paged.allocator.num_blocks
