@@ -61,7 +61,7 @@ def test_scheduler_step_256_requests(benchmark, name):
 def test_attention_decode(benchmark, batch, ctx):
     block_size = 16
     blocks = -(-ctx // block_size)
-    kc = torch.randn(batch * blocks, block_size, 3, 64, dtype=torch.bfloat16)
+    kc = torch.randn(batch * blocks, 3, block_size, 64, dtype=torch.bfloat16)
     vc = torch.randn_like(kc)
     perm = torch.randperm(batch * blocks).view(batch, blocks).int()
     q = torch.randn(batch, 9, 64, dtype=torch.bfloat16)

@@ -1,8 +1,14 @@
 """Attention over a block-structured KV cache: the torch reference implementation.
 
-Layout: per layer, `k_cache` and `v_cache` are [num_blocks, block_size, num_kv_heads, head_dim].
-A sequence's tokens live in the blocks its row of `block_tables` lists, in order. The contiguous
-allocator is the special case block_size = max_model_len with one block per sequence.
+Layout: per layer, `k_cache` and `v_cache` are [num_blocks, num_kv_heads, block_size, head_dim]
+(head-major inside a block, so a gathered block is already in matmul layout). A sequence's
+tokens live in the blocks its row of `block_tables` lists, in order. The contiguous allocator is
+the special case block_size = max_model_len with one block per sequence.
+
+Decode queries (one token per sequence) are computed together over the packed blocks of all
+their sequences, with no padding: scores per block, a softmax over each sequence's segment of
+blocks, then the weighted values summed per sequence. Prefill chunks go one sequence at a time
+through scaled_dot_product_attention with a causal mask offset by the cached prefix.
 """
 
 from __future__ import annotations
@@ -14,55 +20,68 @@ import torch.nn.functional as F
 def write_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Store new tokens' K and V ([num_tokens, kv_heads, head_dim]) at their flat slots."""
-    num_blocks, block_size = k_cache.shape[:2]
-    k_cache.view(num_blocks * block_size, *k_cache.shape[2:])[slot_mapping] = k.to(k_cache.dtype)
-    v_cache.view(num_blocks * block_size, *v_cache.shape[2:])[slot_mapping] = v.to(v_cache.dtype)
-
-
-def _gather_padded(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
-    """Several sequences' first `length` tokens, padded: [B, length, h, d], copied block by block."""
-    block_size = cache.shape[1]
-    num_blocks = -(-length // block_size)
-    if num_blocks == 1:  # one (possibly huge, e.g. contiguous) block each: copy only what is used
-        return cache[block_tables[:, 0].long(), :length]
-    return cache[block_tables[:, :num_blocks].long()].flatten(1, 2)[:, :length]
-
-
-def _decode_batched(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, lens: torch.Tensor,
-                    scale: float) -> torch.Tensor:
-    """One query per sequence: q [B, h, d] over padded keys/values [B, T, kvh, d], `lens` valid each."""
-    b, t, kvh, d = keys.shape
-    qg = q.view(b, kvh, q.shape[1] // kvh, d).to(keys.dtype)
-    scores = torch.einsum("bgqd,btgd->bgqt", qg, keys).float() * scale
-    valid = torch.arange(t, device=q.device)[None, :] < lens[:, None]
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = scores.softmax(dim=-1).to(values.dtype)
-    return torch.einsum("bgqt,btgd->bgqd", probs, values).reshape(q.shape)
+    """Store new tokens' K and V ([num_tokens, kv_heads, head_dim]) at their flat slots
+    (slot = block * block_size + offset)."""
+    block_size = k_cache.shape[2]
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    k_cache[blocks, :, offsets] = k.to(k_cache.dtype)
+    v_cache[blocks, :, offsets] = v.to(v_cache.dtype)
 
 
 def _seq_kv(cache: torch.Tensor, blocks: list[int], length: int) -> torch.Tensor:
-    """One sequence's first `length` cached tokens [length, h, d]: a view when its blocks are
-    consecutive in the pool (always, for the contiguous allocator), else a block gather."""
-    block_size = cache.shape[1]
-    blocks = blocks[: -(-length // block_size)]
-    if blocks == list(range(blocks[0], blocks[0] + len(blocks))):
-        start = blocks[0] * block_size
-        return cache.view(-1, *cache.shape[2:])[start : start + length]
-    return cache[torch.tensor(blocks, device=cache.device)].flatten(0, 1)[:length]
+    """One sequence's first `length` cached tokens as [kv_heads, length, head_dim]."""
+    block_size = cache.shape[2]
+    n = -(-length // block_size)
+    ids = torch.tensor(blocks[:n], device=cache.device)
+    kv = torch.index_select(cache, 0, ids)  # [n, kvh, bs, d]
+    return kv.transpose(0, 1).reshape(cache.shape[1], n * block_size, cache.shape[3])[:, :length]
 
 
-def _decode_one(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query token [h, d] over [ctx, kvh, d] keys and values, grouped-query aware."""
-    kvh, d = keys.shape[1], keys.shape[2]
-    qg = q.view(kvh, q.shape[0] // kvh, d).to(keys.dtype)
-    scores = torch.einsum("gqd,tgd->gqt", qg, keys).float() * scale
-    probs = scores.softmax(dim=-1).to(values.dtype)
-    return torch.einsum("gqt,tgd->gqd", probs, values).reshape(q.shape)
+def decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: list[list[int]], context_lens: list[int],
+    scale: float,
+) -> torch.Tensor:
+    """One query token per sequence, q [B, num_heads, head_dim], over each sequence's cached tokens."""
+    b, num_heads, d = q.shape
+    kvh, block_size = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // kvh
+    counts = [-(-c // block_size) for c in context_lens]
+    ids = torch.tensor([blk for t, n in zip(tables, counts) for blk in t[:n]], device=q.device)
+    owner = torch.repeat_interleave(torch.arange(b, device=q.device), torch.tensor(counts, device=q.device))
+    first_pos = torch.tensor([i * block_size for n in counts for i in range(n)], device=q.device)
+    n = ids.numel()
+    keys = torch.index_select(k_cache, 0, ids).view(n * kvh, block_size, d)
+    values = torch.index_select(v_cache, 0, ids).view(n * kvh, block_size, d)
+    qb = q.to(keys.dtype).view(b, kvh, group, d).index_select(0, owner).view(n * kvh, group, d)
+    scores = torch.bmm(qb, keys.transpose(1, 2)).float().view(n, kvh, group, block_size) * scale
+    ctx = torch.tensor(context_lens, device=q.device)
+    valid = first_pos[:, None] + torch.arange(block_size, device=q.device)[None, :] < ctx[owner][:, None]
+    scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
+    # softmax over each sequence's blocks: a running max per sequence, then normalise by the sum
+    seq_max = torch.full((b, kvh, group), float("-inf"), device=q.device)
+    block_max = scores.amax(dim=-1)
+    seq_max.scatter_reduce_(0, owner[:, None, None].expand_as(block_max), block_max, "amax")
+    probs = torch.exp(scores - seq_max.index_select(0, owner)[..., None])
+    denom = torch.zeros(b, kvh, group, device=q.device).index_add_(0, owner, probs.sum(dim=-1))
+    partial = torch.bmm(probs.to(values.dtype).view(n * kvh, group, block_size), values)
+    out = torch.zeros(b, kvh, group, d, device=q.device).index_add_(0, owner, partial.float().view(n, kvh, group, d))
+    return (out / denom[..., None]).view(b, num_heads, d)
 
 
-# From this many one-token queries a step, one padded batched call beats a loop over sequences.
-BATCHED_DECODE_MIN_SEQS = 2
+def prefill_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: list[int], context_len: int, scale: float
+) -> torch.Tensor:
+    """A chunk of q_len queries [q_len, heads, d], the last tokens of a sequence of context_len."""
+    q_len = q.shape[0]
+    keys = _seq_kv(k_cache, blocks, context_len)  # [kvh, ctx, d]
+    values = _seq_kv(v_cache, blocks, context_len)
+    q_pos = torch.arange(context_len - q_len, context_len, device=q.device)
+    mask = torch.arange(context_len, device=q.device)[None, :] <= q_pos[:, None]
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0).to(keys.dtype), keys.unsqueeze(0), values.unsqueeze(0),
+        attn_mask=mask[None, None], scale=scale, enable_gqa=True,
+    )
+    return o[0].transpose(0, 1)
 
 
 def paged_attention(
@@ -79,7 +98,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal attention of packed queries over cached KV.
 
-    q: [num_tokens, num_heads, head_dim], sequence i's queries are rows
+    q: [num_tokens, num_heads, head_dim]; sequence i's queries are rows
     query_start_loc[i]:query_start_loc[i+1], and they are its last tokens: query j of a sequence
     with q_len queries and ctx_len cached tokens sits at position ctx_len - q_len + j and sees keys
     0..that position. Returns [num_tokens, num_heads, head_dim]. The *_cpu arguments are host
@@ -94,36 +113,14 @@ def paged_attention(
     out = torch.empty_like(q)
     starts = query_start_loc.tolist()
     decode = [i for i, n in enumerate(query_lens_cpu) if n == 1]
-    done: set[int] = set()
-    if len(decode) >= BATCHED_DECODE_MIN_SEQS:
-        # All one-token queries in one padded call: each sees every cached token of its own sequence.
-        idx = torch.tensor(decode, device=q.device)
+    if decode:
         rows = torch.tensor([starts[i] for i in decode], device=q.device)
-        max_ctx = max(context_lens_cpu[i] for i in decode)
-        keys = _gather_padded(k_cache, block_tables[idx], max_ctx)
-        values = _gather_padded(v_cache, block_tables[idx], max_ctx)
-        out[rows] = _decode_batched(q[rows], keys, values, context_lens[idx], scale).to(out.dtype)
-        done = set(decode)
+        o = decode_attention(q.index_select(0, rows), k_cache, v_cache, [block_tables_cpu[i] for i in decode],
+                             [context_lens_cpu[i] for i in decode], scale)
+        out[rows] = o.to(out.dtype)
     for i, q_len in enumerate(query_lens_cpu):
-        if q_len == 0 or i in done:
-            continue
-        ctx = context_lens_cpu[i]
-        keys = _seq_kv(k_cache, block_tables_cpu[i], ctx)  # [ctx, kvh, d]
-        values = _seq_kv(v_cache, block_tables_cpu[i], ctx)
-        start = starts[i]
-        if q_len == 1:
-            out[start] = _decode_one(q[start], keys, values, scale).to(out.dtype)
-            continue
-        qi = q[start : start + q_len]
-        q_pos = torch.arange(ctx - q_len, ctx, device=q.device)
-        mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]
-        o = F.scaled_dot_product_attention(
-            qi.transpose(0, 1).unsqueeze(0).to(keys.dtype),  # [1, h, q, d]
-            keys.transpose(0, 1).unsqueeze(0),
-            values.transpose(0, 1).unsqueeze(0),
-            attn_mask=mask[None, None],
-            scale=scale,
-            enable_gqa=True,
-        )
-        out[start : start + q_len] = o[0].transpose(0, 1).to(out.dtype)
+        if q_len > 1:
+            s = starts[i]
+            o = prefill_attention(q[s : s + q_len], k_cache, v_cache, block_tables_cpu[i], context_lens_cpu[i], scale)
+            out[s : s + q_len] = o.to(out.dtype)
     return out

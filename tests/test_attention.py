@@ -3,7 +3,6 @@
 import pytest
 import torch
 
-from kernels import attention
 from kernels.attention import paged_attention, write_kv
 
 
@@ -27,7 +26,7 @@ def dense_reference(q, keys_per_seq, values_per_seq, q_lens, scale):
 def _case(q_lens, ctx_lens, block_size, scattered, seed=0, heads=6, kv_heads=2, d=16):
     g = torch.Generator().manual_seed(seed)
     num_blocks = 64
-    k_cache = torch.zeros(num_blocks, block_size, kv_heads, d)
+    k_cache = torch.zeros(num_blocks, kv_heads, block_size, d)
     v_cache = torch.zeros_like(k_cache)
     order = torch.randperm(num_blocks, generator=g).tolist() if scattered else list(range(num_blocks))
     tables, keys, values, slot_lists = [], [], [], []
@@ -59,10 +58,12 @@ def test_mixed_prefill_and_decode_match_dense(scattered, block_size):
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("batched_from", [2, 99])  # one padded call for all decodes, or one per sequence
-def test_decode_paths_match_dense(monkeypatch, batched_from):
-    monkeypatch.setattr(attention, "BATCHED_DECODE_MIN_SEQS", batched_from)
-    q_lens, ctx_lens = [1, 1, 1, 4], [7, 33, 2, 10]
+@pytest.mark.parametrize("q_lens, ctx_lens", [
+    ([1, 1, 1, 4], [7, 33, 2, 10]),  # decodes of very different lengths beside a chunk
+    ([1], [1]),  # the first decode of a one-token prompt
+    ([1] * 12, list(range(5, 65, 5))),  # many decodes, blocks of each sequence interleaved in the pool
+])
+def test_decodes_match_dense(q_lens, ctx_lens):
     q, kc, vc, bt, cl, qsl, keys, values = _case(q_lens, ctx_lens, 8, True, seed=3)
     out = paged_attention(q, kc, vc, bt, cl, qsl, scale=0.25)
     torch.testing.assert_close(out, dense_reference(q, keys, values, q_lens, 0.25), atol=1e-5, rtol=1e-5)

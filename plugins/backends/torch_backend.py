@@ -20,7 +20,7 @@ class TorchBackend:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        shape = (num_blocks, block_size, self.spec.num_kv_heads, self.spec.head_dim)
+        shape = (num_blocks, self.spec.num_kv_heads, block_size, self.spec.head_dim)  # head-major blocks
         self.kv_caches = [
             (torch.zeros(shape, dtype=self.spec.dtype, device=self.device),
              torch.zeros(shape, dtype=self.spec.dtype, device=self.device))
