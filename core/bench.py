@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from core.config import EngineConfig, engine_config, run_config, section
 from core.engine import Engine, resolve_model_path
+from core.errors import RequestError
 from core.metrics import summarize
 from core.plugins import get_registry, hookimpl
 from core.types import SamplingParams, StepStats
@@ -65,8 +66,8 @@ def _progress(total: int, desc: str, enabled: bool):
     return tqdm(total=total, desc=desc, unit="req", disable=not enabled, leave=False)
 
 
-def drive_engine(engine: Engine, workload: Workload, progress: bool = True) -> tuple[list[dict], list[dict], float]:
-    """Replay the workload's arrivals against the engine; returns (records, steps, duration_s)."""
+def drive_engine(engine: Engine, workload: Workload, progress: bool = True):
+    """Replay the workload's arrivals against the engine; returns (records, steps, duration_s, rejected)."""
     pending = sorted(workload.requests, key=lambda r: r.arrival_s)
     start = time.perf_counter()
     recorder = Recorder(start)
@@ -74,14 +75,19 @@ def drive_engine(engine: Engine, workload: Workload, progress: bool = True) -> t
     pm.register(recorder)
     bar = _progress(len(pending), workload.config.name, progress)
     i = 0
+    rejected: list[dict] = []
     try:
         while i < len(pending) or engine.has_unfinished():
             now = time.perf_counter() - start
             while i < len(pending) and pending[i].arrival_s <= now:
                 r = pending[i]
-                engine.add_request(prompt_token_ids=r.prompt_token_ids, params=_params(r.output_len),
-                                   request_id=f"{r.index}", arrival_time=start + r.arrival_s)
                 i += 1
+                try:
+                    engine.add_request(prompt_token_ids=r.prompt_token_ids, params=_params(r.output_len),
+                                       request_id=f"{r.index}", arrival_time=start + r.arrival_s)
+                except RequestError as e:  # e.g. larger than the whole KV pool: counted, not fatal
+                    rejected.append({"request_id": str(r.index), "reason": str(e)})
+                    bar.update(1)
             if engine.has_unfinished():
                 done_before = len(recorder.records)
                 engine.step()
@@ -92,7 +98,7 @@ def drive_engine(engine: Engine, workload: Workload, progress: bool = True) -> t
         pm.unregister(recorder)
         bar.close()
     end = max((r["finish_s"] for r in recorder.records), default=0.0)
-    return recorder.records, recorder.steps, end
+    return recorder.records, recorder.steps, end, rejected
 
 
 def warm_up(engine: Engine, n: int) -> None:
@@ -134,6 +140,7 @@ def run_one(cfg: DictConfig, label: str | None = None) -> dict:
         bar = _progress(len(workload.requests), wc.name, rc.progress)
         t0 = time.perf_counter()
         records, steps = runner.run(hf_model, workload.requests, ec.scheduler.max_num_seqs, pad, progress=bar)
+        rejected = []
         bar.close()
         duration = time.perf_counter() - t0
         del hf_model
@@ -141,7 +148,7 @@ def run_one(cfg: DictConfig, label: str | None = None) -> dict:
         model_bytes = weight_bytes(engine.backend.model)
         warm_up(engine, rc.warmup_requests)
         base = engine.allocator.stats()
-        records, steps, duration = drive_engine(engine, workload, rc.progress)
+        records, steps, duration, rejected = drive_engine(engine, workload, rc.progress)
         for s in steps:  # counters are cumulative: count this run only
             s["prefix_queries"] -= base.prefix_queries
             s["prefix_hits"] -= base.prefix_hits
@@ -149,6 +156,7 @@ def run_one(cfg: DictConfig, label: str | None = None) -> dict:
         del engine
     gc.collect()
     summary = summarize(records, duration, steps, rc.slo_ttft_s, rc.slo_tpot_s)
+    summary["rejected"] = len(rejected)
     peak = rates["matmul_gflops"]["bf16" if ec.model.dtype == "bf16" else "fp32"]
     cost = CostModel(args, model_bytes, _kv_bytes_per_token(args, ec), peak, rates["mem_bandwidth_gbs"])
     floor = cost.workload_floor([r["num_prompt_tokens"] for r in records], [r["num_output_tokens"] for r in records])
@@ -171,6 +179,7 @@ def run_one(cfg: DictConfig, label: str | None = None) -> dict:
         "summary": summary,
         "roofline": roofline,
         "requests": sorted(records, key=lambda r: int(r["request_id"])),
+        "rejected": rejected,
         "steps": steps,
         "report_version": report.VERSION,
     }

@@ -173,6 +173,11 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--json", action="store_true", help="print text, token ids and timings as JSON")
     args = parser.parse_args(argv)
+    import logging
+
+    # run and compare report their set-up (KV-cache arithmetic); generate keeps stderr for errors
+    level = logging.INFO if args.command in ("run", "compare") else logging.WARNING
+    logging.basicConfig(level=level, format="servelab: %(message)s", stream=sys.stderr)
     commands = {"run": cmd_run, "compare": cmd_compare, "plugins": cmd_plugins, "generate": cmd_generate}
     try:
         overrides = args.overrides

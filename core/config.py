@@ -23,7 +23,7 @@ class ModelConfig:
 
 @dataclass
 class SchedulerConfig:
-    name: str = "static"
+    name: str = "static"  # the dataclass default is the baseline; conf/ picks continuous
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 4096
     policy: str = "fcfs"

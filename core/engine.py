@@ -5,6 +5,7 @@ add_request -> [schedule -> attention metadata -> execute -> decode -> postproce
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Iterable
@@ -17,7 +18,10 @@ from core.errors import ConfigError, RequestError
 from core.loader import DTYPES, LoadedModel, load_model
 from core.metrics import request_metrics
 from core.plugins import get_registry
-from core.types import (
+
+log = logging.getLogger("servelab")
+
+from core.types import (  # noqa: E402
     CompletionOutput,
     KVCacheSpec,
     ModelInput,
@@ -80,6 +84,8 @@ class Engine:
         self.backend = self.registry.create("backend", config.backend.name, config=config.backend, model=model,
                                             spec=self.kv_spec)
         self.backend.init_kv_cache(self.allocator.num_blocks, self.allocator.block_size)
+        if hasattr(self.allocator, "describe"):
+            log.info(self.allocator.describe())
         self.scheduler = self.registry.create("scheduler", config.scheduler.name, config=config.scheduler,
                                               allocator=self.allocator)
         self.decoder = self.registry.create("decoder", config.decoder.name, config=config.decoder,

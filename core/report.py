@@ -99,10 +99,10 @@ def run_markdown(result: dict, plots: list[str]) -> str:
     kv = s.get("kv_usage")
     pc = s.get("prefix_cache", {})
     throughput = _md_table(
-        ["requests", "duration (s)", "req/s", "output tok/s", "total tok/s", "goodput (req/s)", "SLO attained",
-         "preemptions"],
-        [[s["num_requests"], _f(s["duration_s"], 2), _f(s["req_s"], 3), _f(s["output_tok_s"]), _f(s["total_tok_s"]),
-          _f(s["goodput_req_s"], 3), f"{s['slo']['attained'] * 100:.1f} %", s["preemptions"]]],
+        ["requests", "rejected", "duration (s)", "req/s", "output tok/s", "total tok/s", "goodput (req/s)",
+         "SLO attained", "preemptions"],
+        [[s["num_requests"], s.get("rejected", 0), _f(s["duration_s"], 2), _f(s["req_s"], 3), _f(s["output_tok_s"]),
+          _f(s["total_tok_s"]), _f(s["goodput_req_s"], 3), f"{s['slo']['attained'] * 100:.1f} %", s["preemptions"]]],
     )
     lines = [
         f"# servelab run: {result['label']}", "", _header(result), "", "## Workload", "", _workload_md(result["workload"]),
@@ -127,13 +127,14 @@ def _ratio(a, b) -> str:
 def comparison_markdown(results: list[dict], plots: list[str]) -> str:
     base = results[0]
     head = ["run", "req/s", "output tok/s", "total tok/s", "TTFT p50 (ms)", "TTFT p99 (ms)", "TPOT p50 (ms)",
-            "TPOT p99 (ms)", "E2E p99 (ms)", "goodput (req/s)", "roofline"]
+            "TPOT p99 (ms)", "E2E p99 (ms)", "goodput (req/s)", "preemptions", "prefix hits", "roofline"]
     rows = []
     for r in results:
         s = r["summary"]
         rows.append([r["label"], _f(s["req_s"], 3), _f(s["output_tok_s"]), _f(s["total_tok_s"]), _ms(s["ttft_s"].get("p50")),
                      _ms(s["ttft_s"].get("p99")), _ms(s["tpot_s"].get("p50")), _ms(s["tpot_s"].get("p99")),
-                     _ms(s["e2e_s"].get("p99")), _f(s["goodput_req_s"], 3),
+                     _ms(s["e2e_s"].get("p99")), _f(s["goodput_req_s"], 3), s["preemptions"],
+                     f"{s.get('prefix_cache', {}).get('hit_rate', 0) * 100:.1f} %",
                      f"{r['roofline']['fraction_of_roofline'] * 100:.1f} %"])
     ratios = []
     for r in results[1:]:

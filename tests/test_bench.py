@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from core.bench import compare
-from core.cli import expand_sweeps
+from core.cli import compose, expand_sweeps
 
 BASE = ["workload=fixed", "workload.num_requests=6", "workload.prompt_len=24", "workload.output_len=5",
         "model.max_model_len=64", "model.dtype=fp32", "run.warmup_requests=1", "run.progress=false"]
@@ -60,3 +60,18 @@ def test_multirun_sweep_expands_to_variants():
     assert fixed == ["scheduler=static"]
     assert variants == [["backend=torch", "model.dtype=fp32"], ["backend=torch", "model.dtype=bf16"],
                         ["backend=hf", "model.dtype=fp32"], ["backend=hf", "model.dtype=bf16"]]
+
+
+def test_requests_larger_than_the_pool_are_counted_as_rejected(base, tmp_path):
+    from core.bench import run_one
+
+    # fp32 tiny model: 512 B/token; 8 blocks of 4 tokens hold 32 tokens
+    base = [o for o in base if not o.startswith("workload")]
+    cfg = compose(base + ["scheduler=continuous", "cache=paged", "cache.block_size=4", f"cache.memory_gb={8 * 4 * 512 / 1e9}",
+                          "workload=uniform", "workload.num_requests=12", "workload.prompt_len_min=10",
+                          "workload.prompt_len_max=40", "workload.output_len_min=5", "workload.output_len_max=5"])
+    r = run_one(cfg)
+    too_big = sum(1 for q in r["requests"] if q["num_prompt_tokens"] + 5 > 32)
+    assert too_big == 0 and r["summary"]["rejected"] > 0
+    assert r["summary"]["num_requests"] + r["summary"]["rejected"] == 12
+    assert all("can never fit" in x["reason"] for x in r["rejected"])

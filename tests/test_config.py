@@ -11,14 +11,16 @@ def test_defaults_compose_to_typed_dataclasses():
     ec = engine_config(compose([]))
     assert isinstance(ec, EngineConfig) and isinstance(ec.scheduler, SchedulerConfig)
     assert (ec.model.name, ec.scheduler.name, ec.cache.name, ec.quant.name, ec.decoder.name, ec.backend.name) == (
-        "smollm2-135m", "static", "contiguous", "none", "sampling", "torch")
+        "smollm2-135m", "continuous", "paged", "none", "sampling", "torch")
     assert ec.model.path is None and ec.model.dtype == "bf16"
 
 
 def test_overrides_reach_the_dataclasses():
-    ec = engine_config(compose(["scheduler.max_num_seqs=3", "model.dtype=bf16", "+scheduler.aging_steps=7"]))
-    assert ec.scheduler.max_num_seqs == 3 and ec.model.dtype == "bf16"
-    assert ec.scheduler.extra == {"aging_steps": 7}  # plugin-specific keys arrive in `extra`
+    ec = engine_config(compose(["scheduler.max_num_seqs=3", "model.dtype=fp32", "+scheduler.my_knob=7",
+                                "scheduler.aging_steps=9"]))
+    assert ec.scheduler.max_num_seqs == 3 and ec.model.dtype == "fp32"
+    # plugin-specific keys arrive in `extra`
+    assert ec.scheduler.extra["my_knob"] == 7 and ec.scheduler.extra["aging_steps"] == 9
 
 
 def test_bad_values_are_config_errors():

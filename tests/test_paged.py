@@ -295,6 +295,17 @@ def e_bytes(tiny_dirs):
     return 2 * 2 * 2 * 16 * 4
 
 
+def test_start_up_prints_the_pool_arithmetic(tiny_dirs, caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="servelab"):
+        engine_for(tiny_dirs["llama"], max_model_len=128,
+                   cache=CacheConfig(name="paged", block_size=4, memory_gb=100 * 4 * e_bytes(tiny_dirs) / 1e9))
+    text = caplog.text
+    assert "512 B/token" in text and "100 blocks x 4 tokens = 400 tokens" in text
+    assert "3 requests of max_model_len=128 fit" in text
+
+
 def test_request_larger_than_the_pool_is_rejected(tiny_dirs):
     e = engine_for(tiny_dirs["llama"], max_model_len=128,
                    cache=CacheConfig(name="paged", block_size=4, memory_gb=8 * 4 * e_bytes(tiny_dirs) / 1e9))

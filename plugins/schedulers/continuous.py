@@ -35,8 +35,8 @@ class ContinuousScheduler:
         x = config.extra
         self.enable_chunked_prefill = bool(x.get("enable_chunked_prefill", True))
         self.max_num_partial_prefills = int(x.get("max_num_partial_prefills", 4))
-        self.max_long_partial_prefills = int(x.get("max_long_partial_prefills", 1))
-        self.long_prefill_token_threshold = int(x.get("long_prefill_token_threshold", 256))
+        self.max_long_partial_prefills = int(x.get("max_long_partial_prefills", 2))
+        self.long_prefill_token_threshold = int(x.get("long_prefill_token_threshold", 512))
         self.aging_steps = int(x.get("aging_steps", 50))  # 0 disables aging
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
