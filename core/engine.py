@@ -75,7 +75,9 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         self.max_model_len = mc.max_model_len
         args = loaded.args
-        model = self.registry.create("quant", config.quant.name, config=config.quant).quantize(loaded.model)
+        self.quantizer = self.registry.create("quant", config.quant.name, config=config.quant,
+                                              tokenizer=loaded.tokenizer, source=loaded.source)
+        model = self.quantizer.quantize(loaded.model)
         self.kv_spec = KVCacheSpec(args.num_layers, args.num_kv_heads, args.head_dim, DTYPES[mc.dtype], mc.max_model_len)
         self.allocator = self.registry.create(
             "cache", config.cache.name, config=config.cache, spec=self.kv_spec,

@@ -5,7 +5,8 @@ Component hooks return `{name: factory}`; the factories are called with keyword 
 
 - scheduler:       factory(config=SchedulerConfig, allocator=CacheAllocator) -> Scheduler
 - cache allocator: factory(config=CacheConfig, spec=KVCacheSpec, max_num_seqs=int) -> CacheAllocator
-- quantizer:       factory(config=QuantConfig) -> Quantizer
+- quantizer:       factory(config=QuantConfig, tokenizer=Tokenizer, source=str) -> Quantizer
+                   (source: the model path, for quantizers that read the file's own blocks)
 - decoder:         factory(config=DecoderConfig, vocab_size=int, seed=int) -> Decoder
 - backend:         factory(config=BackendConfig, model=nn.Module, spec=KVCacheSpec) -> Backend
 

@@ -9,7 +9,7 @@ from core.plugins import hookimpl
 
 
 class NoQuantizer:
-    def __init__(self, config: QuantConfig) -> None:
+    def __init__(self, config: QuantConfig, **context) -> None:
         self.config = config
 
     def quantize(self, model: nn.Module) -> nn.Module:

@@ -21,43 +21,28 @@ from core.config import SchedulerConfig
 from core.errors import ConfigError
 from core.interfaces import CacheAllocator
 from core.plugins import hookimpl
+from core.scheduler_base import QueueScheduler
 from core.types import ScheduledSeq, SchedulerOutput, Sequence, SequenceStatus
 
 POLICIES = ("fcfs", "priority")
 
 
-class ContinuousScheduler:
+class ContinuousScheduler(QueueScheduler):
     def __init__(self, config: SchedulerConfig, allocator: CacheAllocator) -> None:
         if config.policy not in POLICIES:
             raise ConfigError(f"scheduler.policy must be one of {', '.join(POLICIES)}, got '{config.policy}'")
-        self.config = config
-        self.allocator = allocator
+        super().__init__(config, allocator)
         x = config.extra
         self.enable_chunked_prefill = bool(x.get("enable_chunked_prefill", True))
         self.max_num_partial_prefills = int(x.get("max_num_partial_prefills", 4))
         self.max_long_partial_prefills = int(x.get("max_long_partial_prefills", 2))
         self.long_prefill_token_threshold = int(x.get("long_prefill_token_threshold", 512))
         self.aging_steps = int(x.get("aging_steps", 50))  # 0 disables aging
-        self.waiting: list[Sequence] = []
-        self.running: list[Sequence] = []
         self.step = 0
         self._enqueued_at: dict[int, int] = {}  # seq id -> step it (re)joined the queue
 
-    # ---- queue state ----------------------------------------------------------------------
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
-
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        super().add(seq)
         self._enqueued_at[seq.seq_id] = self.step
 
     def effective_priority(self, seq: Sequence) -> float:
@@ -160,12 +145,8 @@ class ContinuousScheduler:
         return SchedulerOutput(scheduled, preempted)
 
     def finish(self, seq: Sequence) -> None:
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
+        super().finish(seq)
         self._enqueued_at.pop(seq.seq_id, None)
-        self.allocator.free(seq)
 
 
 @hookimpl

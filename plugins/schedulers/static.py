@@ -7,35 +7,12 @@ that finishes early leaves its seat empty until the whole batch is done.
 
 from __future__ import annotations
 
-from collections import deque
-
-from core.config import SchedulerConfig
-from core.interfaces import CacheAllocator
 from core.plugins import hookimpl
+from core.scheduler_base import QueueScheduler
 from core.types import ScheduledSeq, SchedulerOutput, Sequence, SequenceStatus
 
 
-class StaticScheduler:
-    def __init__(self, config: SchedulerConfig, allocator: CacheAllocator) -> None:
-        self.config = config
-        self.allocator = allocator
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
-
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
-
-    def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
-
+class StaticScheduler(QueueScheduler):
     def schedule(self) -> SchedulerOutput:
         if self.running:
             return SchedulerOutput([self._decode(seq) for seq in self.running])
@@ -50,7 +27,7 @@ class StaticScheduler:
             longest = min(seq.num_prompt_tokens + seq.params.max_tokens, self.allocator.spec.max_model_len)
             if not self.allocator.allocate(seq, longest - seq.num_computed_tokens):
                 break
-            self.waiting.popleft()
+            self.waiting.pop(0)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.append(ScheduledSeq(seq, prompt))
@@ -62,13 +39,6 @@ class StaticScheduler:
         if not self.allocator.allocate(seq, 1):
             raise RuntimeError(f"static scheduler: no KV room to decode {seq}")
         return ScheduledSeq(seq, 1)
-
-    def finish(self, seq: Sequence) -> None:
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
-        self.allocator.free(seq)
 
 
 @hookimpl

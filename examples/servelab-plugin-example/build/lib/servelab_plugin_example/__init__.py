@@ -11,6 +11,7 @@ from __future__ import annotations
 from core.config import SchedulerConfig
 from core.interfaces import CacheAllocator
 from core.plugins import hookimpl
+from core.scheduler_base import QueueScheduler
 from core.types import ScheduledSeq, SchedulerOutput, Sequence, SequenceStatus
 
 
@@ -18,28 +19,17 @@ def job_size(seq: Sequence) -> int:
     return seq.num_prompt_tokens + seq.params.max_tokens
 
 
-class ShortestJobFirstScheduler:
+class ShortestJobFirstScheduler(QueueScheduler):
+    """Queue bookkeeping (waiting/running lists, finish) comes from servelab's QueueScheduler;
+    the batch-forming policy is this plugin's own."""
+
     def __init__(self, config: SchedulerConfig, allocator: CacheAllocator) -> None:
-        self.config = config
-        self.allocator = allocator
+        super().__init__(config, allocator)
         self.max_wait_batches = int(config.extra.get("max_wait_batches", 8))
-        self.waiting: list[Sequence] = []
-        self.running: list[Sequence] = []
         self._passed_over: dict[int, int] = {}
 
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
-
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
-
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        super().add(seq)
         self._passed_over[seq.seq_id] = 0
 
     def _order(self) -> list[Sequence]:
@@ -72,12 +62,8 @@ class ShortestJobFirstScheduler:
         return SchedulerOutput(batch)
 
     def finish(self, seq: Sequence) -> None:
-        if seq in self.running:
-            self.running.remove(seq)
-        if seq in self.waiting:
-            self.waiting.remove(seq)
+        super().finish(seq)
         self._passed_over.pop(seq.seq_id, None)
-        self.allocator.free(seq)
 
 
 @hookimpl

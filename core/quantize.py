@@ -1,0 +1,72 @@
+"""What every weight quantizer needs: module swaps with mixed precision, and calibration data.
+
+Quantization is a module swap (gpt-fast's way): each `nn.Linear` whose qualified name matches no
+`keep` pattern is replaced by the quantizer's module. Calibration runs the model itself over
+real prompts and records what each linear layer sees, for activation-aware scaling.
+"""
+
+from __future__ import annotations
+
+from fnmatch import fnmatch
+from typing import Callable
+
+import torch
+from torch import nn
+
+from core.types import AttentionMetadata
+
+
+def swap_linears(model: nn.Module, make: Callable[[str, nn.Linear], nn.Module], keep: list[str]) -> list[str]:
+    """Replace every Linear not matched by a `keep` glob (e.g. "lm_head", "model.layers.0.*");
+    returns the names swapped."""
+    swapped = []
+    for parent_name, parent in list(model.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            name = f"{parent_name}.{child_name}" if parent_name else child_name
+            if isinstance(child, nn.Linear) and not any(fnmatch(name, p) for p in keep):
+                setattr(parent, child_name, make(name, child))
+                swapped.append(name)
+    return swapped
+
+
+def forward_prompt(model: nn.Module, token_ids: list[int]) -> torch.Tensor:
+    """Logits [len, vocab] of one prompt through servelab's model, with a throwaway KV cache."""
+    args = model.args
+    t = len(token_ids)
+    dtype = model.model.embed_tokens.weight.dtype
+    kv = [(torch.zeros(1, args.num_kv_heads, t, args.head_dim, dtype=dtype),
+           torch.zeros(1, args.num_kv_heads, t, args.head_dim, dtype=dtype)) for _ in range(args.num_layers)]
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(t), block_tables=torch.zeros(1, 1, dtype=torch.int32),
+        context_lens=torch.tensor([t]), query_lens=torch.tensor([t]), query_start_loc=torch.tensor([0, t]),
+        block_size=t, max_query_len=t, max_context_len=t,
+    )
+    with torch.inference_mode():
+        hidden = model(torch.tensor(token_ids), torch.arange(t), meta, kv)
+        return model.compute_logits(hidden)
+
+
+def capture_linear_inputs(model: nn.Module, prompts: list[list[int]], max_rows: int = 512) -> dict[str, torch.Tensor]:
+    """Per Linear (by name): up to `max_rows` input rows seen over the calibration prompts (fp32)."""
+    seen: dict[str, list[torch.Tensor]] = {}
+    hooks = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.Linear):
+            def hook(_m, inputs, _out, name=name):
+                x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).float()
+                seen.setdefault(name, []).append(x)
+            hooks.append(mod.register_forward_hook(hook))
+    try:
+        for p in prompts:
+            forward_prompt(model, p)
+    finally:
+        for h in hooks:
+            h.remove()
+    out = {}
+    gen = torch.Generator().manual_seed(0)
+    for name, xs in seen.items():
+        x = torch.cat(xs)
+        if x.shape[0] > max_rows:
+            x = x[torch.randperm(x.shape[0], generator=gen)[:max_rows]]
+        out[name] = x
+    return out

@@ -1,0 +1,167 @@
+"""Weight-only quantized linear layers: INT8 per output channel, INT4 group-wise asymmetric.
+
+Each matmul has a fast path (PyTorch's packed CPU kernels `_weight_int8pack_mm` and
+`_weight_int4pack_mm_for_cpu`, which want bf16 activations) and a torch reference twin that
+dequantizes and multiplies; tests hold the two together.
+
+INT4 follows the packed kernel's convention: q in 0..15 per weight, per (group, output channel)
+a scale and a zero, w = (q - 8) * scale + zero.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+INT4_INNER_K_TILES = 2  # the CPU packer's tiling: K must be a multiple of 16 * this
+
+
+# ---- INT8, symmetric, one scale per output channel ------------------------------------------
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (q int8 [N, K], scales [N] fp32) with w ~ q * scale."""
+    w = w.float()
+    scales = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0
+    q = torch.clamp(torch.round(w / scales[:, None]), -127, 127).to(torch.int8)
+    return q, scales
+
+
+def dequantize_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return q.float() * scales.float()[:, None]
+
+
+def int8_matmul_ref(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return (x.float() @ dequantize_int8(q, scales).T).to(x.dtype)
+
+
+def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ (q * scales).T; the packed CPU kernel takes bf16 activations."""
+    if x.device.type == "cpu":
+        return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), q, scales.to(torch.bfloat16)).to(x.dtype)
+    return int8_matmul_ref(x, q, scales)
+
+
+# ---- INT4, asymmetric, group-wise along K -----------------------------------------------------
+
+
+def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [N, K] (K a multiple of group_size) -> (q int32 [N, K] in 0..15, scales [K/g, N], zeros [K/g, N])."""
+    n, k = w.shape
+    wg = w.float().reshape(n, k // group_size, group_size)
+    lo, hi = wg.amin(dim=-1), wg.amax(dim=-1)
+    scales = ((hi - lo) / 15.0).clamp(min=1e-8)
+    zeros = lo + 8.0 * scales  # w = (q - 8) * scale + zero, so q = 0 is the group minimum
+    q = torch.clamp(torch.round((wg - lo[..., None]) / scales[..., None]), 0, 15).to(torch.int32)
+    return q.reshape(n, k), scales.T.contiguous(), zeros.T.contiguous()
+
+
+def dequantize_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    s = scales.float().T.repeat_interleave(group_size, dim=1)
+    z = zeros.float().T.repeat_interleave(group_size, dim=1)
+    return (q.float() - 8.0) * s + z
+
+
+def int4_matmul_ref(x, q, scales, zeros, group_size):
+    return (x.float() @ dequantize_int4(q, scales, zeros, group_size).T).to(x.dtype)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), INT4_INNER_K_TILES)
+
+
+def int4_matmul(x, packed, scales_and_zeros, group_size):
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), packed, group_size, scales_and_zeros)
+
+
+# ---- modules ----------------------------------------------------------------------------------
+
+
+class Int8Linear(nn.Module):
+    """Weight-only INT8 linear. `input_scale` (AWQ-style, optional) divides activations per input channel."""
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, fast: bool = True):
+        super().__init__()
+        self.register_buffer("weight_q", q)
+        self.register_buffer("scales", scales.to(torch.bfloat16) if fast else scales.float())
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.fast = fast
+        self.in_features, self.out_features = q.shape[1], q.shape[0]
+
+    @classmethod
+    def from_linear(cls, lin: nn.Linear, fast: bool = True) -> Int8Linear:
+        q, s = quantize_int8(lin.weight.data)
+        return cls(q, s, None if lin.bias is None else lin.bias.data, fast)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        y = int8_matmul(x2, self.weight_q, self.scales) if self.fast and x2.device.type == "cpu" else \
+            int8_matmul_ref(x2, self.weight_q, self.scales)
+        y = y.reshape(*shape[:-1], self.out_features)
+        return y + self.bias if self.bias is not None else y
+
+
+class Int4Linear(nn.Module):
+    """Weight-only INT4 linear, group-wise along the input. Input features are zero-padded to a
+    multiple of the group size (and of the packer's tile) so odd shapes work; the optional
+    `input_scale` holds AWQ-style per-input-channel scales the activations are divided by."""
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                 in_features: int, bias: torch.Tensor | None, input_scale: torch.Tensor | None = None,
+                 fast: bool = True):
+        super().__init__()
+        self.group_size, self.in_features, self.out_features = group_size, in_features, q.shape[0]
+        self.padded_in = q.shape[1]
+        self.fast = fast
+        if self.fast:
+            # the packer wants N a multiple of 16: pad with rows that dequantize to zero
+            n_pad = -self.out_features % 16
+            if n_pad:
+                q = F.pad(q, (0, 0, 0, n_pad), value=8)
+                scales, zeros = F.pad(scales, (0, n_pad)), F.pad(zeros, (0, n_pad))
+            self.register_buffer("weight_packed", pack_int4(q))
+            self.register_buffer("scales_and_zeros", torch.stack([scales, zeros], dim=-1).to(torch.bfloat16))
+        else:
+            self.register_buffer("weight_q", q.to(torch.uint8))
+            self.register_buffer("scales", scales.float())
+            self.register_buffer("zeros", zeros.float())
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.register_buffer("input_scale", input_scale)
+
+    @staticmethod
+    def padded_features(k: int, group_size: int) -> int:
+        step = max(group_size, 16 * INT4_INNER_K_TILES)
+        return -(-k // step) * step
+
+    @classmethod
+    def from_weight(cls, w: torch.Tensor, bias, group_size: int, input_scale=None, fast: bool = True) -> Int4Linear:
+        n, k = w.shape
+        kp = cls.padded_features(k, group_size)
+        scaled = w.float() * input_scale.float()[None, :] if input_scale is not None else w.float()
+        if kp != k:
+            scaled = F.pad(scaled, (0, kp - k))
+        q, s, z = quantize_int4(scaled, group_size)
+        return cls(q, s, z, group_size, k, bias, input_scale, fast)
+
+    def dequantized_weight(self) -> torch.Tensor:
+        if self.fast:
+            raise RuntimeError("the packed layout is not unpacked; quantize with fast=False for the reference")
+        w = dequantize_int4(self.weight_q.int(), self.scales, self.zeros, self.group_size)[:, : self.in_features]
+        return w / self.input_scale.float()[None, :] if self.input_scale is not None else w
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if self.input_scale is not None:
+            x2 = x2 / self.input_scale.to(x2.dtype)
+        if self.padded_in != self.in_features:
+            x2 = F.pad(x2, (0, self.padded_in - self.in_features))
+        if self.fast and x2.device.type == "cpu":
+            y = int4_matmul(x2, self.weight_packed, self.scales_and_zeros, self.group_size)[:, : self.out_features]
+            y = y.to(x.dtype)
+        else:
+            y = int4_matmul_ref(x2, self.weight_q.int(), self.scales, self.zeros, self.group_size)
+        y = y.reshape(*shape[:-1], self.out_features)
+        return y + self.bias if self.bias is not None else y

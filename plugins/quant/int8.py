@@ -1,0 +1,27 @@
+"""Quantizer `int8`: weight-only, symmetric, one scale per output channel, for every linear layer
+not kept in higher precision (`quant.keep`, globs; lm_head by default, as the seed advises)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from core.config import QuantConfig
+from core.plugins import hookimpl
+from core.quantize import swap_linears
+from kernels.quant import Int8Linear
+
+
+class Int8Quantizer:
+    def __init__(self, config: QuantConfig, **context) -> None:
+        self.keep = list(config.extra.get("keep", ["lm_head"]))
+        self.fast = bool(config.extra.get("fast", True))
+        self.swapped: list[str] = []
+
+    def quantize(self, model: nn.Module) -> nn.Module:
+        self.swapped = swap_linears(model, lambda name, lin: Int8Linear.from_linear(lin, self.fast), self.keep)
+        return model
+
+
+@hookimpl
+def servelab_quantizers():
+    return {"int8": Int8Quantizer}
