@@ -34,6 +34,7 @@ class SchedulerConfig:
 class CacheConfig:
     name: str = "contiguous"
     block_size: int = 16
+    dtype: str = "auto"  # auto (the model dtype) | int8
     memory_gb: float | None = None  # KV pool budget; None: sized from the scheduler's limits
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -116,6 +117,8 @@ def engine_config(cfg: DictConfig | dict) -> EngineConfig:
         backend=section(BackendConfig, get("backend"), "backend"),
         seed=int(get("seed", 0) or 0),
     )
+    if ec.cache.dtype not in ("auto", "int8"):
+        raise ConfigError(f"cache.dtype must be auto or int8, got '{ec.cache.dtype}'")
     if ec.model.dtype not in ("fp32", "bf16"):
         raise ConfigError(f"model.dtype must be fp32 or bf16, got '{ec.model.dtype}'")
     for name, value in (

@@ -78,7 +78,8 @@ class Engine:
         self.quantizer = self.registry.create("quant", config.quant.name, config=config.quant,
                                               tokenizer=loaded.tokenizer, source=loaded.source)
         model = self.quantizer.quantize(loaded.model)
-        self.kv_spec = KVCacheSpec(args.num_layers, args.num_kv_heads, args.head_dim, DTYPES[mc.dtype], mc.max_model_len)
+        kv_dtype = torch.int8 if config.cache.dtype == "int8" else DTYPES[mc.dtype]
+        self.kv_spec = KVCacheSpec(args.num_layers, args.num_kv_heads, args.head_dim, kv_dtype, mc.max_model_len)
         self.allocator = self.registry.create(
             "cache", config.cache.name, config=config.cache, spec=self.kv_spec,
             max_num_seqs=config.scheduler.max_num_seqs,

@@ -146,12 +146,13 @@ class Attention(nn.Module):
         q = rope(self.q_proj(x).view(t, self.num_heads, self.head_dim), positions)
         k = rope(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), positions)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        k_cache, v_cache = kv
-        write_kv(k, v, k_cache, v_cache, attn.slot_mapping)
+        k_cache, v_cache, *scales = kv  # an int8 cache carries (k_scale, v_scale) too
+        write_kv(k, v, k_cache, v_cache, attn.slot_mapping, *scales)
         o = paged_attention(
             q, k_cache, v_cache, attn.block_tables, attn.context_lens, attn.query_start_loc, self.scale,
             query_lens_cpu=host["query_lens"], context_lens_cpu=host["context_lens"],
-            block_tables_cpu=host["block_tables"],
+            block_tables_cpu=host["block_tables"], k_scale=scales[0] if scales else None,
+            v_scale=scales[1] if scales else None,
         )
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
@@ -204,7 +205,7 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         attn: AttentionMetadata,
-        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_caches: list[tuple[torch.Tensor, ...]],
     ) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] of a packed batch; KV written to `kv_caches`."""
         # Host copies of the lengths, once per step rather than once per layer.

@@ -188,9 +188,11 @@ class KVCacheSpec:
 
     @property
     def bytes_per_token(self) -> int:
-        """2 (K and V) x layers x kv_heads x head_dim x dtype bytes."""
+        """2 (K and V) x layers x kv_heads x head_dim x dtype bytes; an int8 cache adds one fp16
+        scale per token and head."""
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+        per_head = self.head_dim * itemsize + (2 if self.dtype == torch.int8 else 0)
+        return 2 * self.num_layers * self.num_kv_heads * per_head
 
 
 @dataclass

@@ -21,11 +21,15 @@ class TorchBackend:
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
         shape = (num_blocks, self.spec.num_kv_heads, block_size, self.spec.head_dim)  # head-major blocks
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=self.spec.dtype, device=self.device),
-             torch.zeros(shape, dtype=self.spec.dtype, device=self.device))
-            for _ in range(self.spec.num_layers)
-        ]
+        def layer():
+            kv = (torch.zeros(shape, dtype=self.spec.dtype, device=self.device),
+                  torch.zeros(shape, dtype=self.spec.dtype, device=self.device))
+            if self.spec.dtype == torch.int8:  # per-token, per-head scales beside the int8 values
+                kv += (torch.zeros(shape[:3], dtype=torch.float16, device=self.device),
+                       torch.zeros(shape[:3], dtype=torch.float16, device=self.device))
+            return kv
+
+        self.kv_caches = [layer() for _ in range(self.spec.num_layers)]
 
     @torch.inference_mode()
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -33,9 +37,9 @@ class TorchBackend:
             return
         src = torch.tensor([s for s, _ in copies], device=self.device)
         dst = torch.tensor([d for _, d in copies], device=self.device)
-        for k, v in self.kv_caches:
-            k[dst] = k[src]
-            v[dst] = v[src]
+        for layer in self.kv_caches:
+            for t in layer:
+                t[dst] = t[src]
 
     @torch.inference_mode()
     def execute(self, batch: ModelInput) -> torch.Tensor:

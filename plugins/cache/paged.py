@@ -34,6 +34,12 @@ def chain_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
     return hash((parent, token_ids))
 
 
+def torch_itemsize(dtype) -> int:
+    import torch
+
+    return torch.empty((), dtype=dtype).element_size()
+
+
 def available_memory_bytes() -> int:
     try:
         for line in open("/proc/meminfo"):
@@ -88,14 +94,14 @@ class PagedAllocator:
         return self._blocks_for(longest) <= self.num_blocks
 
     def describe(self) -> str:
-        per_token = self.spec.bytes_per_token
+        sp = self.spec
+        item = torch_itemsize(sp.dtype)
+        per_head = f"({sp.head_dim} x 1 B + 2 B scale)" if item == 1 else f"{sp.head_dim} x {item} B"
         tokens = self.num_blocks * self.block_size
-        fit = tokens // self.spec.max_model_len
-        return (f"paged KV: {per_token} B/token (2 x {self.spec.num_layers} layers x {self.spec.num_kv_heads} kv heads "
-                f"x {self.spec.head_dim} x {per_token // (2 * self.spec.num_layers * self.spec.num_kv_heads * self.spec.head_dim)} B); "
-                f"{self.num_blocks} blocks x {self.block_size} tokens = {tokens} tokens, "
-                f"{self.num_blocks * self.block_size * per_token / 1e9:.2f} GB ({self.budget_source}); "
-                f"{fit} requests of max_model_len={self.spec.max_model_len} fit at once")
+        return (f"paged KV: {sp.bytes_per_token} B/token (2 x {sp.num_layers} layers x {sp.num_kv_heads} kv heads x "
+                f"{per_head}); {self.num_blocks} blocks x {self.block_size} tokens = {tokens} tokens, "
+                f"{tokens * sp.bytes_per_token / 1e9:.2f} GB ({self.budget_source}); "
+                f"{tokens // sp.max_model_len} requests of max_model_len={sp.max_model_len} fit at once")
 
     # ---- block pool -----------------------------------------------------------------------
 
