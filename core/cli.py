@@ -145,6 +145,13 @@ def cmd_compare(args, cfg: DictConfig) -> int:
     return compare(list(args.overrides), variants, args.label, run_config(cfg).name)
 
 
+def cmd_eval(args, cfg: DictConfig) -> int:
+    from core.evaluate import run_eval
+
+    # the variants are composed on top of the command line's own overrides
+    return run_eval(cfg, [o for o in args.overrides if not o.startswith("eval.")], compose)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m core", description="servelab: a pluggable LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -161,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("-v", "--variant", action="append", help='one configuration, e.g. -v "scheduler=static"')
     c.add_argument("--label", action="append", help="a name for each variant, in order")
     add("plugins", "list every component by kind, name and the package it came from")
+    add("eval", "quality, size and speed of quantization variants against the unquantized baseline")
     g = add("generate", "generate a completion for one prompt, streamed to the terminal")
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-tokens", type=int, default=64)
@@ -176,9 +184,10 @@ def main(argv: list[str] | None = None) -> int:
     import logging
 
     # run and compare report their set-up (KV-cache arithmetic); generate keeps stderr for errors
-    level = logging.INFO if args.command in ("run", "compare") else logging.WARNING
+    level = logging.INFO if args.command in ("run", "compare", "eval") else logging.WARNING
     logging.basicConfig(level=level, format="servelab: %(message)s", stream=sys.stderr)
-    commands = {"run": cmd_run, "compare": cmd_compare, "plugins": cmd_plugins, "generate": cmd_generate}
+    commands = {"run": cmd_run, "compare": cmd_compare, "plugins": cmd_plugins, "generate": cmd_generate,
+                "eval": cmd_eval}
     try:
         overrides = args.overrides
         if getattr(args, "multirun", False):

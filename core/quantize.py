@@ -7,8 +7,8 @@ real prompts and records what each linear layer sees, for activation-aware scali
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from fnmatch import fnmatch
-from typing import Callable
 
 import torch
 from torch import nn
@@ -29,13 +29,21 @@ def swap_linears(model: nn.Module, make: Callable[[str, nn.Linear], nn.Module], 
     return swapped
 
 
-def forward_prompt(model: nn.Module, token_ids: list[int]) -> torch.Tensor:
-    """Logits [len, vocab] of one prompt through servelab's model, with a throwaway KV cache."""
+def forward_prompt(model: nn.Module, token_ids: list[int], kv_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Logits [len, vocab] of one prompt through servelab's model, with a throwaway KV cache
+    (of `kv_dtype`, the model's by default; int8 comes with its scales)."""
     args = model.args
     t = len(token_ids)
-    dtype = model.model.embed_tokens.weight.dtype
-    kv = [(torch.zeros(1, args.num_kv_heads, t, args.head_dim, dtype=dtype),
-           torch.zeros(1, args.num_kv_heads, t, args.head_dim, dtype=dtype)) for _ in range(args.num_layers)]
+    dtype = kv_dtype or model.model.embed_tokens.weight.dtype
+    shape = (1, args.num_kv_heads, t, args.head_dim)
+
+    def layer():
+        kv = (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+        if dtype == torch.int8:
+            kv += (torch.zeros(shape[:3], dtype=torch.float16), torch.zeros(shape[:3], dtype=torch.float16))
+        return kv
+
+    kv = [layer() for _ in range(args.num_layers)]
     meta = AttentionMetadata(
         slot_mapping=torch.arange(t), block_tables=torch.zeros(1, 1, dtype=torch.int32),
         context_lens=torch.tensor([t]), query_lens=torch.tensor([t]), query_start_loc=torch.tensor([0, t]),
