@@ -29,6 +29,20 @@ def swap_linears(model: nn.Module, make: Callable[[str, nn.Linear], nn.Module], 
     return swapped
 
 
+def quantize_tied_embedding(model: nn.Module, swapped: list[str], bits: int, group_size: int = 64) -> bool:
+    """When lm_head was quantized and the embedding is tied to it, quantize the embedding rows too,
+    so the shared matrix is not kept in full precision just for the lookup."""
+    from kernels.quant import Int8Linear, QuantEmbedding
+
+    if "lm_head" not in swapped or not model.args.tie_word_embeddings:
+        return False
+    emb = model.model.embed_tokens
+    shared = model.lm_head if bits == 8 and isinstance(model.lm_head, Int8Linear) else None
+    model.model.embed_tokens = QuantEmbedding(None if shared else emb.weight.data, bits, group_size,
+                                              out_dtype=emb.weight.dtype, shared=shared)
+    return True
+
+
 def forward_prompt(model: nn.Module, token_ids: list[int], kv_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Logits [len, vocab] of one prompt through servelab's model, with a throwaway KV cache
     (of `kv_dtype`, the model's by default; int8 comes with its scales)."""

@@ -104,7 +104,7 @@ def test_engine_serves_quantized_tiny_model(tiny_dirs, quant):
     cfg.quant = QuantConfig(name=quant, extra={"group_size": 32} if quant == "int4" else {})
     e = Engine(cfg)
     linears = [n for n, m in e.backend.model.named_modules() if isinstance(m, (Int8Linear, Int4Linear))]
-    assert len(linears) == 2 * 7 and not any("lm_head" in n for n in linears)
+    assert len(linears) == 2 * 7 + 1 and "lm_head" in linears
     out = e.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=6, ignore_eos=True))[0].outputs[0]
     assert len(out.token_ids) == 6
 
@@ -151,3 +151,33 @@ def test_int8_kv_cache_doubles_capacity_and_serves(tiny_dirs):
     a = full.generate([[5, 6, 7, 8, 9] * 3], params)[0].outputs[0].token_ids
     b = small.generate([[5, 6, 7, 8, 9] * 3], params)[0].outputs[0].token_ids
     assert len(b) == 8 and a[:2] == b[:2]  # a random tiny model drifts apart later; the real model is in `eval`
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_embedding_rows_match_their_reference(bits):
+    from kernels.quant import QuantEmbedding
+
+    w = torch.randn(50, 64, generator=g)
+    emb = QuantEmbedding(w, bits, group_size=32, out_dtype=torch.float32)
+    ids = torch.tensor([[3, 49, 0], [7, 7, 12]])
+    if bits == 8:
+        q, s = quantize_int8(w)
+        ref = dequantize_int8(q, s.half().float())
+    else:
+        q, s, z = quantize_int4(w, 32)
+        ref = dequantize_int4(q, s.half().float(), z.half().float(), 32)
+    torch.testing.assert_close(emb(ids), ref[ids], atol=1e-5, rtol=1e-5)
+    assert emb.q.numel() == w.numel() // (8 // bits)  # 1 byte a weight, or two weights a byte
+
+
+def test_tied_embedding_follows_a_quantized_lm_head(tiny_dirs):
+    from kernels.quant import QuantEmbedding
+
+    cfg = tiny_config(tiny_dirs["llama3"])  # tie_word_embeddings=True
+    cfg.quant = QuantConfig(name="int8")
+    e = Engine(cfg)
+    assert isinstance(e.backend.model.model.embed_tokens, QuantEmbedding)
+    cfg.quant = QuantConfig(name="int8", extra={"keep": ["lm_head"]})  # mixed precision keeps both
+    e = Engine(cfg)
+    assert isinstance(e.backend.model.lm_head, nn.Linear)
+    assert isinstance(e.backend.model.model.embed_tokens, nn.Embedding)

@@ -102,3 +102,25 @@ def test_continuous_paged_equals_static_contiguous_on_the_real_model(engine):
     paged = Engine(cfg, loaded=engine.loaded)
     assert [o.outputs[0].token_ids for o in paged.generate(PROMPTS, params)] == static
     assert paged.allocator.stats().num_free_blocks == paged.allocator.num_blocks
+
+
+def test_quantized_weight_bytes_and_gguf_blocks(engine):
+    from core.config import CacheConfig, QuantConfig
+    from core.roofline import weight_bytes
+    from kernels.quant import Int4Linear
+
+    def build(quant, **extra):
+        cfg = EngineConfig(model=ModelConfig(dtype="bf16", max_model_len=256),
+                           quant=QuantConfig(name=quant, extra=extra), cache=CacheConfig(name="paged", memory_gb=0.05))
+        return Engine(cfg)
+
+    bf16 = weight_bytes(build("none").backend.model)
+    assert weight_bytes(build("int8").backend.model) <= 0.55 * bf16
+    assert weight_bytes(build("int4").backend.model) <= 0.35 * bf16
+    gguf = build("gguf", fast=False)
+    layer = gguf.backend.model.model.layers[3].self_attn.q_proj  # Q4_1 rows, un-permuted
+    assert isinstance(layer, Int4Linear) and layer.group_size == 32
+    float_weight = engine.loaded.model.model.layers[3].self_attn.q_proj.weight  # the loader's dequantized fp32
+    torch.testing.assert_close(layer.dequantized_weight(), float_weight.float(), atol=1e-5, rtol=1e-5)
+    out = gguf.generate(["The capital of France is"], SamplingParams(max_tokens=4))[0].outputs[0].text
+    assert "Paris" in out

@@ -18,7 +18,7 @@ from core.config import QuantConfig
 from core.errors import ConfigError
 from core.loader import gguf_to_hf_name, unpermute_qk
 from core.plugins import hookimpl
-from core.quantize import swap_linears
+from core.quantize import quantize_tied_embedding, swap_linears
 from kernels.quant import Int4Linear, Int8Linear
 
 BLOCK = 32
@@ -46,7 +46,7 @@ class GGUFQuantizer:
         if not source or not str(source).endswith(".gguf"):
             raise ConfigError("quant=gguf needs a GGUF model (the default model or model.path=FILE.gguf)")
         self.source = source
-        self.keep = list(config.extra.get("keep", ["lm_head"]))
+        self.keep = list(config.extra.get("keep", []))
         self.fast = bool(config.extra.get("fast", True))
         self.kinds: dict[str, str] = {}  # layer -> how it is served
 
@@ -74,7 +74,9 @@ class GGUFQuantizer:
             self.kinds[name] = f"{kind or 'float'} requantized to int8 per channel"
             return Int8Linear.from_linear(lin, self.fast)
 
-        swap_linears(model, make, self.keep)
+        swapped = swap_linears(model, make, self.keep)
+        # a tied embedding (Q8_0 in the SmolLM2 file) serves its lookup from INT8 rows
+        quantize_tied_embedding(model, swapped, bits=8)
         return model
 
 

@@ -16,7 +16,7 @@ from torch import nn
 from core.config import QuantConfig
 from core.errors import ConfigError
 from core.plugins import hookimpl
-from core.quantize import capture_linear_inputs, swap_linears
+from core.quantize import capture_linear_inputs, quantize_tied_embedding, swap_linears
 from kernels.quant import Int4Linear, dequantize_int4, quantize_int4
 
 GROUP_SIZES = (32, 64, 128)
@@ -55,7 +55,7 @@ class Int4Quantizer:
         self.awq = bool(x.get("awq", False))
         self.calibration_prompts = int(x.get("calibration_prompts", 16))
         self.calibration_len = int(x.get("calibration_len", 256))
-        self.keep = list(x.get("keep", ["lm_head"]))
+        self.keep = list(x.get("keep", []))
         self.fast = bool(x.get("fast", True))
         self.tokenizer = tokenizer
         self.report: dict[str, dict] = {}  # per layer: AWQ error vs round-to-nearest
@@ -82,7 +82,8 @@ class Int4Quantizer:
             bias = None if lin.bias is None else lin.bias.data
             return Int4Linear.from_weight(lin.weight.data, bias, self.group_size, scale, self.fast)
 
-        swap_linears(model, make, self.keep)
+        swapped = swap_linears(model, make, self.keep)
+        quantize_tied_embedding(model, swapped, bits=4, group_size=self.group_size)
         return model
 
 
