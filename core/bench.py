@@ -16,9 +16,10 @@ from omegaconf import DictConfig, OmegaConf
 from core.config import EngineConfig, engine_config, run_config, section
 from core.engine import Engine, resolve_model_path
 from core.errors import RequestError
+from core.loader import DTYPES
 from core.metrics import summarize
 from core.plugins import get_registry, hookimpl
-from core.types import SamplingParams, StepStats
+from core.types import KVCacheSpec, SamplingParams, StepStats
 from scenarios.workloads import Workload, WorkloadConfig, build_workload, materialize
 
 
@@ -141,6 +142,8 @@ def run_one(cfg: DictConfig, label: str | None = None) -> dict:
         t0 = time.perf_counter()
         records, steps = runner.run(hf_model, workload.requests, ec.scheduler.max_num_seqs, pad, progress=bar)
         rejected = []
+        kv_bytes_per_token = KVCacheSpec(args.num_layers, args.num_kv_heads, args.head_dim, DTYPES[ec.model.dtype],
+                                         ec.model.max_model_len).bytes_per_token
         bar.close()
         duration = time.perf_counter() - t0
         del hf_model
@@ -153,12 +156,13 @@ def run_one(cfg: DictConfig, label: str | None = None) -> dict:
             s["prefix_queries"] -= base.prefix_queries
             s["prefix_hits"] -= base.prefix_hits
         kv_description = engine.allocator.describe() if hasattr(engine.allocator, "describe") else ""
+        kv_bytes_per_token = engine.kv_spec.bytes_per_token
         del engine
     gc.collect()
     summary = summarize(records, duration, steps, rc.slo_ttft_s, rc.slo_tpot_s)
     summary["rejected"] = len(rejected)
     peak = rates["matmul_gflops"]["bf16" if ec.model.dtype == "bf16" else "fp32"]
-    cost = CostModel(args, model_bytes, _kv_bytes_per_token(args, ec), peak, rates["mem_bandwidth_gbs"])
+    cost = CostModel(args, model_bytes, kv_bytes_per_token, peak, rates["mem_bandwidth_gbs"])
     floor = cost.workload_floor([r["num_prompt_tokens"] for r in records], [r["num_output_tokens"] for r in records])
     sched_floor = cost.schedule_floor(steps) if not peer else None
     roofline = {
@@ -183,11 +187,6 @@ def run_one(cfg: DictConfig, label: str | None = None) -> dict:
         "steps": steps,
         "report_version": report.VERSION,
     }
-
-
-def _kv_bytes_per_token(args, ec: EngineConfig) -> int:
-    item = 2 if ec.model.dtype == "bf16" else 4
-    return 2 * args.num_layers * args.num_kv_heads * args.head_dim * item
 
 
 def run_benchmark(cfg: DictConfig) -> int:
