@@ -180,7 +180,13 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--json", action="store_true", help="print text, token ids and timings as JSON")
-    args = parser.parse_args(argv)
+    # Overrides may stand between the flags (`compare workload=x -v ... run.name=y`): argparse leaves
+    # the ones after a flag unparsed, and they are overrides too.
+    args, rest = parser.parse_known_args(argv)
+    stray = [a for a in rest if a.startswith("-")]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    args.overrides = list(args.overrides) + rest
     import logging
 
     # run and compare report their set-up (KV-cache arithmetic); generate keeps stderr for errors

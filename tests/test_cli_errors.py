@@ -49,3 +49,12 @@ def test_bad_override_gets_hydras_message():
     _one_clear_line(run_cli("plugins", "no_such_key=1"), "no_such_key")
     _one_clear_line(run_cli("plugins", "model.max_model_len=abc"), "max_model_len")
     _one_clear_line(run_cli("plugins", "scheduler=="), "scheduler")
+
+
+def test_overrides_may_follow_flags():
+    from core.cli import main
+
+    # `run.name=...` after `-v` is an override, not a stray argument: the run fails on the variant's bad key
+    assert main(["compare", "workload=fixed", "-v", "no_such_key=1", "run.name=x"]) == 2
+    r = run_cli("plugins", "--bogus")
+    assert r.returncode == 2 and "unrecognized arguments: --bogus" in r.stderr
