@@ -48,7 +48,7 @@ def forward_prompt(model: nn.Module, token_ids: list[int], kv_dtype: torch.dtype
     (of `kv_dtype`, the model's by default; int8 comes with its scales)."""
     args = model.args
     t = len(token_ids)
-    dtype = kv_dtype or model.model.embed_tokens.weight.dtype
+    dtype = kv_dtype or model.model.norm.weight.dtype  # the embedding may be quantized
     shape = (1, args.num_kv_heads, t, args.head_dim)
 
     def layer():

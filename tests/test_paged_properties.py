@@ -52,19 +52,22 @@ class AllocatorMachine(RuleBasedStateMachine):
     @rule(data=st.data(), token=st.integers(0, 2))
     def append(self, data, token):
         seq = data.draw(st.sampled_from(self.live))
-        if seq.num_computed_tokens < seq.num_tokens:  # finish the prompt first (a chunk)
-            n = seq.num_tokens - seq.num_computed_tokens
-        else:
+        appended = seq.num_computed_tokens >= seq.num_tokens
+        if appended:
             seq.output_token_ids.append(token)
             n = 1
+        else:  # finish the prompt first (a chunk)
+            n = seq.num_tokens - seq.num_computed_tokens
         if seq.num_computed_tokens + n > SPEC.max_model_len:
+            if appended:
+                seq.output_token_ids.pop()
             return
         free_before = self.alloc.stats().num_free_blocks
         if self.alloc.allocate(seq, n):
             self._compute(seq, n)
         else:
             assert self.alloc.stats().num_free_blocks == free_before
-            if n == 1:
+            if appended:
                 seq.output_token_ids.pop()
 
     @precondition(lambda self: self.live)
