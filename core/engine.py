@@ -95,7 +95,6 @@ class Engine:
                                             vocab_size=args.vocab_size, seed=config.seed)
         self.hooks = self.registry.pm.hook
         self.requests: dict[str, RequestState] = {}
-        self._seqs: dict[int, Sequence] = {}
         self.step_count = 0
 
     # ---- requests --------------------------------------------------------------------------
@@ -149,7 +148,6 @@ class Engine:
         share = len(seqs) > 1 and getattr(self.allocator, "supports_fork", False)
         for seq in seqs:
             seq.prefix_offset, seq.read_offset = max(n - 5, 0), n
-            self._seqs[seq.seq_id] = seq
         for seq in seqs[:1] if share else seqs:
             self.scheduler.add(seq)
         self.requests[request_id] = RequestState(request_id, prompt, list(prompt_token_ids), seqs,
@@ -320,8 +318,6 @@ class Engine:
 
     def _retire(self, state: RequestState) -> None:
         self.requests.pop(state.request_id, None)
-        for seq in state.seqs:
-            self._seqs.pop(seq.seq_id, None)
         self.hooks.servelab_request_finished(
             request_id=state.request_id, sequences=state.seqs, metrics=[request_metrics(s) for s in state.seqs]
         )
