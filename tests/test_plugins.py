@@ -1,5 +1,6 @@
 """The plugin core: registry, errors, listing, and a real third-party package installed by pip."""
 
+import shutil
 import subprocess
 import sys
 import venv
@@ -80,8 +81,10 @@ def test_third_party_package_installs_and_is_usable_by_name(tmp_path, tiny_llama
     # setuptools, so this environment's pip and setuptools build the plugin offline.
     venv.EnvBuilder(system_site_packages=True, with_pip=False).create(env_dir)
     py = str(env_dir / "bin" / "python")
+    source = tmp_path / "example"  # a copy, so the build leaves nothing in the repo
+    shutil.copytree(EXAMPLE, source, ignore=shutil.ignore_patterns("build", "*.egg-info"))
     r = subprocess.run([sys.executable, "-m", "pip", "--python", py, "install", "--no-deps", "--no-build-isolation",
-                        "-q", str(EXAMPLE)],
+                        "-q", str(source)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     r = subprocess.run([py, "-m", "core", "plugins"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
