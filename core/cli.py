@@ -145,6 +145,12 @@ def cmd_compare(args, cfg: DictConfig) -> int:
     return compare(list(args.overrides), variants, args.label, run_config(cfg).name)
 
 
+def cmd_serve(args, cfg: DictConfig) -> int:
+    from core.server import serve
+
+    return serve(cfg)
+
+
 def cmd_eval(args, cfg: DictConfig) -> int:
     from core.evaluate import run_eval
 
@@ -169,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--label", action="append", help="a name for each variant, in order")
     add("plugins", "list every component by kind, name and the package it came from")
     add("eval", "quality, size and speed of quantization variants against the unquantized baseline")
+    add("serve", "an OpenAI-compatible HTTP server with Prometheus metrics and guard rails")
     g = add("generate", "generate a completion for one prompt, streamed to the terminal")
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-tokens", type=int, default=64)
@@ -190,10 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     import logging
 
     # run and compare report their set-up (KV-cache arithmetic); generate keeps stderr for errors
-    level = logging.INFO if args.command in ("run", "compare", "eval") else logging.WARNING
+    level = logging.INFO if args.command in ("run", "compare", "eval", "serve") else logging.WARNING
     logging.basicConfig(level=level, format="servelab: %(message)s", stream=sys.stderr)
     commands = {"run": cmd_run, "compare": cmd_compare, "plugins": cmd_plugins, "generate": cmd_generate,
-                "eval": cmd_eval}
+                "eval": cmd_eval, "serve": cmd_serve}
     try:
         overrides = args.overrides
         if getattr(args, "multirun", False):
