@@ -148,7 +148,7 @@ def cmd_compare(args, cfg: DictConfig) -> int:
 def cmd_serve(args, cfg: DictConfig) -> int:
     from core.server import serve
 
-    return serve(cfg)
+    return serve(cfg, args.overrides, compose)
 
 
 def cmd_eval(args, cfg: DictConfig) -> int:

@@ -52,6 +52,7 @@ class ServerConfig:
     degrade_waiting_low: int = 16  # and off again only below both lows (hysteresis)
     degrade_kv_low: float = 0.7
     degrade_max_input_tokens: int = 512
+    fallback: list = field(default_factory=list)  # overrides of a fallback engine (e.g. [quant=int4]) used while degraded
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -107,12 +108,14 @@ def _chat_logprobs(tokenizer, entries: list[dict]) -> dict:
 
 
 class Server:
-    def __init__(self, engine: Engine, cfg: ServerConfig) -> None:
+    def __init__(self, engine: Engine, cfg: ServerConfig, fallback: Engine | None = None) -> None:
         self.engine, self.cfg = engine, cfg
         self.model_name = cfg.served_model_name or engine.config.model.name
         self.metrics = ServerMetrics(self.model_name)
         engine.registry.pm.register(self.metrics)
         self.async_engine = AsyncEngine(engine)
+        # while degraded, new requests go to the fallback engine (smaller or quantized), if one is configured
+        self.fallback = AsyncEngine(fallback) if fallback is not None else None
         self.degradation = Degradation(cfg, self.metrics)
         self.ready = False
         self.max_input = cfg.max_input_tokens or engine.max_model_len - 1
@@ -181,9 +184,14 @@ class Server:
                                    f"(limit {self.cfg.max_queue}); retry later", "rate_limit_error",
                               headers={"Retry-After": str(self.cfg.retry_after_s)})
 
-    async def _submit(self, ids: list[int], params: SamplingParams, priority: int):
+    def _target(self) -> tuple[AsyncEngine, str]:
+        if self.fallback is not None and self.degradation.on:
+            return self.fallback, f"{self.model_name}:fallback"
+        return self.async_engine, self.model_name
+
+    async def _submit(self, ids: list[int], params: SamplingParams, priority: int, target: AsyncEngine):
         try:
-            return await self.async_engine.add(prompt_token_ids=ids, params=params, priority=priority)
+            return await target.add(prompt_token_ids=ids, params=params, priority=priority)
         except RequestError as e:
             self.metrics.reject("invalid")
             raise OpenAIError(400, str(e)) from None
@@ -207,12 +215,15 @@ class Server:
         priority = self._priority(body, headers)
         created = int(time.time())
         rid_prefix = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        subs = [await self._submit(ids, params, priority) for ids in ids_list]
+        target, model = self._target()
+        if target is self.fallback:
+            self.metrics.fallback.labels(self.model_name).inc(len(ids_list))
+        subs = [await self._submit(ids, params, priority, target) for ids in ids_list]
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return self._stream(subs, params, chat, rid_prefix, created, include_usage, is_disconnected)
-        finals = await asyncio.gather(*(self._collect(rid, q, is_disconnected) for rid, q in subs))
-        return self._response(finals, params, chat, rid_prefix, created)
+            return self._stream(subs, params, chat, rid_prefix, created, include_usage, is_disconnected, target, model)
+        finals = await asyncio.gather(*(self._collect(rid, q, is_disconnected, target) for rid, q in subs))
+        return self._response(finals, params, chat, rid_prefix, created, model)
 
     async def _next(self, rid: str, q: asyncio.Queue, deadline: float) -> RequestOutput | None:
         timeout = deadline - time.monotonic()
@@ -220,7 +231,7 @@ class Server:
             raise TimeoutError
         return await asyncio.wait_for(q.get(), timeout)
 
-    async def _collect(self, rid: str, q: asyncio.Queue, is_disconnected) -> RequestOutput:
+    async def _collect(self, rid: str, q: asyncio.Queue, is_disconnected, target: AsyncEngine) -> RequestOutput:
         deadline = time.monotonic() + self.cfg.request_timeout_s
         try:
             while True:
@@ -239,10 +250,10 @@ class Server:
                 if out.finished:
                     return out
         except BaseException:
-            self.async_engine.abort(rid)
+            target.abort(rid)
             raise
 
-    def _response(self, finals: list[RequestOutput], params, chat: bool, rid: str, created: int) -> dict:
+    def _response(self, finals: list[RequestOutput], params, chat: bool, rid: str, created: int, model: str) -> dict:
         tok = self.engine.tokenizer
         choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
         for i, out in enumerate(finals):
@@ -260,15 +271,15 @@ class Server:
                     choices.append({"index": index, "text": o.text, "logprobs": lp,
                                     "finish_reason": _reason(o.finish_reason)})
         return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": created,
-                "model": self.model_name, "choices": choices, "usage": usage}
+                "model": model, "choices": choices, "usage": usage}
 
-    async def _stream(self, subs, params, chat, rid, created, include_usage, is_disconnected):
+    async def _stream(self, subs, params, chat, rid, created, include_usage, is_disconnected, target, model):
         tok = self.engine.tokenizer
         obj = "chat.completion.chunk" if chat else "text_completion"
         deadline = time.monotonic() + self.cfg.request_timeout_s
 
         def chunk(choices, usage=None):
-            d = {"id": rid, "object": obj, "created": created, "model": self.model_name, "choices": choices}
+            d = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}
             if usage is not None:
                 d["usage"] = usage
             return f"data: {json.dumps(d)}\n\n"
@@ -326,7 +337,7 @@ class Server:
             yield "data: [DONE]\n\n"
         finally:
             for r in pending:  # the client went away or the stream broke: free its KV at once
-                self.async_engine.abort(r)
+                target.abort(r)
 
 
 def _content(message: dict) -> str:
@@ -347,19 +358,23 @@ def build_app(server: Server):
         return JSONResponse({"error": {"message": e.message, "type": e.kind, "param": e.param, "code": e.status}},
                             status_code=e.status, headers=e.headers)
 
+    engines = [e for e in (server.async_engine, server.fallback) if e is not None]
+
     @app.on_event("startup")
     async def startup():
-        server.async_engine.start(asyncio.get_running_loop())
-        if server.cfg.warmup:  # the seed's cold-start lesson: a real request before /ready says yes
-            rid, q = await server.async_engine.add(prompt_token_ids=server.engine.tokenizer.encode("Hello"),
-                                                   params=SamplingParams(max_tokens=2, ignore_eos=True))
-            while not (out := await q.get()) or not out.finished:
-                pass
+        for e in engines:
+            e.start(asyncio.get_running_loop())
+            if server.cfg.warmup:  # the seed's cold-start lesson: a real request before /ready says yes
+                rid, q = await e.add(prompt_token_ids=e.engine.tokenizer.encode("Hello"),
+                                     params=SamplingParams(max_tokens=2, ignore_eos=True))
+                while not (out := await q.get()) or not out.finished:
+                    pass
         server.ready = True
 
     @app.on_event("shutdown")
     async def shutdown():
-        server.async_engine.stop()
+        for e in engines:
+            e.stop()
 
     async def body_of(request: Request) -> dict:
         size = int(request.headers.get("content-length") or 0)
@@ -404,8 +419,12 @@ def build_app(server: Server):
             server._check_auth(request.headers)
         except OpenAIError as e:
             return error(e)
-        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": 0,
-                                            "owned_by": "servelab", "max_model_len": server.engine.max_model_len}]}
+        data = [{"id": server.model_name, "object": "model", "created": 0, "owned_by": "servelab",
+                 "max_model_len": server.engine.max_model_len}]
+        if server.fallback is not None:
+            data.append({"id": f"{server.model_name}:fallback", "object": "model", "created": 0, "owned_by": "servelab",
+                         "max_model_len": server.fallback.engine.max_model_len})
+        return {"object": "list", "data": data}
 
     @app.get("/health")
     async def health():
@@ -428,14 +447,15 @@ def build_app(server: Server):
     return app
 
 
-def serve(cfg) -> int:
+def serve(cfg, overrides: list[str], compose) -> int:
     import uvicorn
 
     from core.config import engine_config
 
     sc = section(ServerConfig, cfg.get("server"), "server")
     engine = Engine(engine_config(cfg))
-    server = Server(engine, sc)
+    fallback = Engine(engine_config(compose(list(overrides) + list(sc.fallback)))) if sc.fallback else None
+    server = Server(engine, sc, fallback)
     log.info("serving %s on http://%s:%d", server.model_name, sc.host, sc.port)
     uvicorn.run(build_app(server), host=sc.host, port=sc.port, log_level="warning")
     return 0

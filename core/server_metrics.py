@@ -42,6 +42,8 @@ class ServerMetrics:
         self.preemptions = Counter("servelab:num_preemptions", "Sequences preempted", label, registry=r)
         self.success = Counter("servelab:request_success", "Finished requests", label + ["finished_reason"], registry=r)
         self.rejected = Counter("servelab:request_rejected", "Requests refused", label + ["reason"], registry=r)
+        self.fallback = Counter("servelab:requests_routed_to_fallback", "Requests served by the fallback model while "
+                                "degraded", label, registry=r)
         self._last_queries = self._last_hits = 0
 
     def reject(self, reason: str) -> None:

@@ -170,7 +170,9 @@ def test_guard_rails(start_server):
 
 def test_degradation_switch_turns_on_under_overload_and_off_again(start_server):
     base = start_server("server.max_queue=100", "server.degrade_waiting_high=4", "server.degrade_waiting_low=0",
-                        "server.degrade_kv_low=1.0", "server.degrade_max_input_tokens=8", "scheduler.max_num_seqs=2")
+                        "server.degrade_kv_low=1.0", "server.degrade_max_input_tokens=8", "scheduler.max_num_seqs=2",
+                        'server.fallback=["quant=int8"]')
+    assert [m["id"] for m in httpx.get(f"{base}/v1/models").json()["data"]] == ["smollm2-135m", "smollm2-135m:fallback"]
 
     def long_request(_):
         return httpx.post(f"{base}/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 60,
@@ -183,10 +185,14 @@ def test_degradation_switch_turns_on_under_overload_and_off_again(start_server):
             if _metric(base, "servelab:degraded") == 1.0:
                 seen_on = True
                 limited = httpx.post(f"{base}/v1/completions", json={"model": "m", "prompt": "x" * 20, "max_tokens": 1})
+                routed = httpx.post(f"{base}/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 2},
+                                    timeout=60)
                 break
             time.sleep(0.02)
         [f.result() for f in futures]
     assert seen_on and limited.status_code == 400 and "lowered while the server is overloaded" in limited.text
+    assert routed.status_code == 200 and routed.json()["model"] == "smollm2-135m:fallback"  # the quantized fallback
+    assert _metric(base, "servelab:requests_routed_to_fallback_total") >= 1
     for _ in range(50):
         if _metric(base, "servelab:degraded") == 0.0:
             break
