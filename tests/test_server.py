@@ -198,3 +198,20 @@ def test_degradation_switch_turns_on_under_overload_and_off_again(start_server):
             break
         time.sleep(0.05)
     assert _metric(base, "servelab:degraded") == 0.0
+
+
+def test_grafana_dashboard_reads_only_metrics_the_server_exports(server):
+    import json
+    from pathlib import Path
+
+    dash = json.loads((Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "servelab-dashboard.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    def base(name):
+        return re.sub(r"_(bucket|total)$", "", name)
+
+    used = {base(m) for e in exprs for m in re.findall(r"servelab:[a-z0-9_]+", e)}
+    exported = {base(m) for m in re.findall(r"^# TYPE (servelab:[a-z0-9_]+) ", httpx.get(f"{server}/metrics").text, re.M)}
+    assert used and used <= exported, used - exported
+    titles = " ".join(p["title"] for p in dash["panels"])
+    for needed in ("TTFT", "TPOT", "Throughput", "KV-cache", "Queue", "Rejections"):
+        assert needed in titles
