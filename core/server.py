@@ -22,6 +22,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import generate_latest
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from core.async_engine import AsyncEngine
 from core.config import section
@@ -54,6 +55,48 @@ class ServerConfig:
     degrade_max_input_tokens: int = 512
     fallback: list = field(default_factory=list)  # overrides of a fallback engine (e.g. [quant=int4]) used while degraded
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+class CompletionRequest(BaseModel):
+    """The body of /v1/completions (extra fields are accepted and ignored)."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    n: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: dict | None = None
+    logprobs: int | None = None
+    ignore_eos: bool = False
+    priority: int | None = None
+
+
+class ChatCompletionRequest(BaseModel):
+    """The body of /v1/chat/completions (extra fields are accepted and ignored)."""
+
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    messages: list[dict[str, Any]]  # {"role": ..., "content": str or content parts}
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    n: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: dict | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    ignore_eos: bool = False
+    priority: int | None = None
 
 
 class OpenAIError(Exception):
@@ -387,7 +430,7 @@ def build_app(server: Server):
             raise OpenAIError(413, f"request body of {len(raw)} bytes is over the limit of {server.cfg.max_body_bytes}")
         try:
             body = json.loads(raw or b"{}")
-        except json.JSONDecodeError as e:
+        except ValueError as e:  # bad JSON, or bytes that are not UTF-8
             raise OpenAIError(400, f"invalid JSON: {e}") from None
         if not isinstance(body, dict):
             raise OpenAIError(400, "the request body must be a JSON object")
@@ -396,6 +439,12 @@ def build_app(server: Server):
     async def serve(request: Request, chat: bool):
         try:
             body = await body_of(request)
+            try:
+                (ChatCompletionRequest if chat else CompletionRequest).model_validate(body)
+            except ValidationError as e:
+                first = e.errors()[0]
+                where = ".".join(str(x) for x in first["loc"])
+                raise OpenAIError(400, f"{where}: {first['msg']}", param=where) from None
             stats = server.engine.allocator.stats()
             server.degradation.update(server.async_engine.num_waiting, stats.usage)
             result = await server.handle(body, request.headers, chat, request.is_disconnected)
@@ -405,11 +454,19 @@ def build_app(server: Server):
             return JSONResponse(result)
         return StreamingResponse(result, media_type="text/event-stream")
 
-    @app.post("/v1/completions")
+    def body_schema(model: type[BaseModel]) -> dict:
+        schema = model.model_json_schema()  # flat: no nested models, so no $refs to resolve
+        return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}},
+                "responses": {"400": {"description": "bad request (OpenAI error JSON)"},
+                              "401": {"description": "missing or wrong API key"},
+                              "413": {"description": "body too large"},
+                              "429": {"description": "queue full; see Retry-After"}}}
+
+    @app.post("/v1/completions", openapi_extra=body_schema(CompletionRequest))
     async def completions(request: Request):
         return await serve(request, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=body_schema(ChatCompletionRequest))
     async def chat_completions(request: Request):
         return await serve(request, chat=True)
 

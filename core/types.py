@@ -14,6 +14,8 @@ import torch
 
 from core.errors import RequestError
 
+MAX_N = 16  # samples per request
+
 
 @dataclass
 class SamplingParams:
@@ -33,6 +35,12 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if not all(isinstance(x, str) and x for x in self.stop):
+            raise RequestError("stop must be a non-empty string or a list of non-empty strings")
+        if not all(isinstance(x, int) and x >= 0 for x in self.stop_token_ids):
+            raise RequestError("stop_token_ids must be non-negative integers")
+        if self.seed is not None and not (isinstance(self.seed, int) and 0 <= self.seed < 2**63):
+            raise RequestError(f"seed must be an integer in [0, 2^63), got {self.seed!r}")
         if self.max_tokens <= 0:
             raise RequestError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.temperature < 0:
@@ -41,8 +49,8 @@ class SamplingParams:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise RequestError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if self.n < 1:
-            raise RequestError(f"n must be at least 1, got {self.n}")
+        if not 1 <= self.n <= MAX_N:
+            raise RequestError(f"n must be between 1 and {MAX_N}, got {self.n}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise RequestError(f"logprobs must be between 0 and 20, got {self.logprobs}")
 

@@ -215,3 +215,39 @@ def test_grafana_dashboard_reads_only_metrics_the_server_exports(server):
     titles = " ".join(p["title"] for p in dash["panels"])
     for needed in ("TTFT", "TPOT", "Throughput", "KV-cache", "Queue", "Rejections"):
         assert needed in titles
+
+
+def test_schemathesis_finds_no_server_error(server):
+    import shutil
+
+    cli = shutil.which("schemathesis") or shutil.which("st")
+    if cli is None:
+        pytest.skip("schemathesis is not installed")
+    r = subprocess.run([cli, "run", f"{server}/openapi.json", "--checks", "not_a_server_error", "-n", "25",
+                        "--request-timeout", "60", "--generation-deterministic"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert httpx.get(f"{server}/health").json() == {"status": "ok"}  # and the server is still up
+
+
+def test_agent_and_chat_pools(server):
+    body = {"model": "m", "prompt": "hi", "max_tokens": 2}
+    assert httpx.post(f"{server}/v1/completions", json=body, headers={"X-Servelab-Pool": "agent"}).status_code == 200
+    r = httpx.post(f"{server}/v1/completions", json=body, headers={"X-Servelab-Pool": "batch"})
+    assert r.status_code == 400 and "unknown pool 'batch'; pools: chat, agent" in r.json()["error"]["message"]
+    r = httpx.post(f"{server}/v1/completions", json={"model": "m", "prompt": "hi", "temperature": -1})
+    assert r.status_code == 400 and "temperature" in r.json()["error"]["message"]
+
+
+def test_request_timeout_aborts_and_answers_504(start_server):
+    base = start_server("server.request_timeout_s=0.05", "scheduler.max_num_batched_tokens=2")
+    total = _metric(base, "servelab:kv_cache_total_blocks")
+    r = httpx.post(f"{base}/v1/completions", json={"model": "m", "prompt": "x" * 200, "max_tokens": 200,
+                                                   "ignore_eos": True}, timeout=60)
+    assert r.status_code == 504 and r.json()["error"]["type"] == "timeout_error"
+    for _ in range(100):
+        if _metric(base, "servelab:kv_cache_free_blocks") == total:
+            break
+        time.sleep(0.05)
+    assert _metric(base, "servelab:kv_cache_free_blocks") == total
+    assert 'reason="timeout"' in httpx.get(f"{base}/metrics").text
