@@ -145,6 +145,17 @@ def cmd_compare(args, cfg: DictConfig) -> int:
     return compare(list(args.overrides), variants, args.label, run_config(cfg).name)
 
 
+def cmd_bench(args, cfg: DictConfig) -> int:
+    from core.loadtest import run_bench
+
+    overrides = list(args.overrides)
+    if not any(o.startswith("workload=") for o in overrides):  # the scenario names its workload
+        overrides.append(f"workload={cfg.scenario.workload}")
+        cfg = compose(overrides)
+    engine_overrides = [o for o in overrides if not o.startswith(("scenario", "target", "run.", "workload"))]
+    return run_bench(cfg, engine_overrides)
+
+
 def cmd_serve(args, cfg: DictConfig) -> int:
     from core.server import serve
 
@@ -176,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     add("plugins", "list every component by kind, name and the package it came from")
     add("eval", "quality, size and speed of quantization variants against the unquantized baseline")
     add("serve", "an OpenAI-compatible HTTP server with Prometheus metrics and guard rails")
+    add("bench", "replay a locust scenario against servelab's server (started for you) or target.url=URL")
     g = add("generate", "generate a completion for one prompt, streamed to the terminal")
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-tokens", type=int, default=64)
@@ -197,10 +209,10 @@ def main(argv: list[str] | None = None) -> int:
     import logging
 
     # run and compare report their set-up (KV-cache arithmetic); generate keeps stderr for errors
-    level = logging.INFO if args.command in ("run", "compare", "eval", "serve") else logging.WARNING
+    level = logging.INFO if args.command in ("run", "compare", "eval", "serve", "bench") else logging.WARNING
     logging.basicConfig(level=level, format="servelab: %(message)s", stream=sys.stderr)
     commands = {"run": cmd_run, "compare": cmd_compare, "plugins": cmd_plugins, "generate": cmd_generate,
-                "eval": cmd_eval, "serve": cmd_serve}
+                "eval": cmd_eval, "serve": cmd_serve, "bench": cmd_bench}
     try:
         overrides = args.overrides
         if getattr(args, "multirun", False):

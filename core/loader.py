@@ -201,3 +201,15 @@ def _load_gguf(path: Path, dtype: torch.dtype, max_model_len: int | None) -> Loa
         state[hf] = torch.from_numpy(np.array(w, copy=True))
     model = _build(args, state, dtype, max_model_len)
     return LoadedModel(model, Tokenizer.from_gguf_metadata(meta), args, str(path))
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """Just the tokenizer of a model (no weights): for load generators that build prompts."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise ModelNotFoundError(f"model path {path} does not exist (give an HF directory or a .gguf file)")
+    if path.suffix == ".gguf":
+        from gguf import GGUFReader
+
+        return Tokenizer.from_gguf_metadata(read_gguf_metadata(GGUFReader(str(path))))
+    return Tokenizer.from_hf_dir(path, json.loads((path / "config.json").read_text()))

@@ -109,3 +109,27 @@ def run_plots(results: list[dict], out: Path) -> list[str]:
     for name, fn in files.items():
         fn(results, out / name)
     return list(files)
+
+
+def load_curve(results: list[dict], path: Path) -> str:
+    """Throughput and P99 TTFT against the number of users, with the SLO line."""
+    plt = _plt()
+    users = [r["users"] for r in results]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4))
+    a.plot(users, [r["summary"]["output_tok_s"] for r in results], marker="o")
+    a.set_xlabel("users")
+    a.set_ylabel("output tok/s")
+    a.set_title("throughput")
+    for key, label in (("p50", "TTFT p50"), ("p99", "TTFT p99")):
+        b.plot(users, [(r["summary"]["ttft_s"].get(key) or 0) * 1000 for r in results], marker="o", label=label)
+    b.axhline(results[0]["summary"]["slo"]["ttft_s"] * 1000, color="red", ls="--", label="SLO")
+    b.set_xlabel("users")
+    b.set_ylabel("ms")
+    b.set_title("time to first token")
+    b.legend()
+    for ax in (a, b):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path.name

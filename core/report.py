@@ -31,7 +31,8 @@ def summary_table(results: list[dict]) -> str:
             r["label"], _f(s["req_s"], 2), _f(s["output_tok_s"]), _f(s["total_tok_s"]),
             f"{_ms(s['ttft_s'].get('p50'))}/{_ms(s['ttft_s'].get('p99'))}",
             f"{_ms(s['tpot_s'].get('p50'))}/{_ms(s['tpot_s'].get('p99'))}",
-            f"{s['slo']['attained'] * 100:.0f}%", f"{r['roofline']['fraction_of_roofline'] * 100:.1f}%",
+            f"{s['slo']['attained'] * 100:.0f}%",
+            f"{r['roofline']['fraction_of_roofline'] * 100:.1f}%" if r.get("roofline") else "-",
         ])
     widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]
@@ -113,7 +114,9 @@ def run_markdown(result: dict, plots: list[str]) -> str:
         "## KV cache", "",
         f"- usage: peak {kv['peak'] * 100:.1f} %, mean {kv['mean'] * 100:.1f} %" if kv else "- usage: not reported by this backend",
         f"- prefix cache: {pc.get('hits', 0)} of {pc.get('queries', 0)} prompt tokens hit ({pc.get('hit_rate', 0) * 100:.1f} %)",
-        "", "## The physical limit", "", _roofline_md(result["roofline"], s), "",
+        "", "## The physical limit", "",
+        _roofline_md(result["roofline"], s) if result.get("roofline") else "- not measured: the target is a server "
+        "this process does not run (see its own metrics)", "",
     ]
     if plots:
         lines += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
@@ -193,4 +196,46 @@ def write_comparison(results: list[dict], name: str, rc: RunConfig) -> Path:
     _write_json(out / "report.json", {"name": name, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
                                       "report_version": VERSION, "runs": results})
     (out / "report.md").write_text(comparison_markdown(results, images))
+    return out
+
+
+def curve_markdown(results: list[dict], plots: list[str], knee: dict | None) -> str:
+    slo = results[0]["summary"]["slo"]
+    head = ["users", "requests", "failures", "req/s", "output tok/s", "TTFT p50 (ms)", "TTFT p99 (ms)", "TPOT p50 (ms)",
+            "TPOT p99 (ms)", "E2E p99 (ms)", "goodput (req/s)"]
+    rows = [[r["users"], r["summary"]["num_requests"], r["summary"].get("failures", 0), _f(r["summary"]["req_s"], 3),
+             _f(r["summary"]["output_tok_s"]), _ms(r["summary"]["ttft_s"].get("p50")), _ms(r["summary"]["ttft_s"].get("p99")),
+             _ms(r["summary"]["tpot_s"].get("p50")), _ms(r["summary"]["tpot_s"].get("p99")),
+             _ms(r["summary"]["e2e_s"].get("p99")), _f(r["summary"]["goodput_req_s"], 3)] for r in results]
+    if knee:
+        verdict = (f"**The knee: {knee['users']} users**, the first stage whose P99 TTFT "
+                   f"({_ms(knee['ttft_p99'])} ms) breaks the SLO of {slo['ttft_s'] * 1000:.0f} ms.")
+    else:
+        verdict = f"No stage broke the P99 TTFT SLO of {slo['ttft_s'] * 1000:.0f} ms."
+    lines = [f"# servelab load curve: {results[0]['label'].split(' users=')[0]}", "",
+             f"- target: {results[0].get('target')}", "", _workload_md(results[0]["workload"]), "",
+             "## Throughput against latency", "", _md_table(head, rows), "", verdict, ""]
+    if plots:
+        lines += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
+    return "\n".join(lines)
+
+
+def find_knee(results: list[dict]) -> dict | None:
+    for r in results:
+        p99 = r["summary"]["ttft_s"].get("p99")
+        if p99 is None or p99 > r["summary"]["slo"]["ttft_s"]:
+            return {"users": r["users"], "ttft_p99": p99}
+    return None
+
+
+def write_curve(results: list[dict], name: str, rc: RunConfig) -> Path:
+    from core import plots
+
+    out = Path(rc.report_dir) / name
+    out.mkdir(parents=True, exist_ok=True)
+    knee = find_knee(results)
+    images = (plots.run_plots(results, out) + [plots.load_curve(results, out / "load_curve.png")]) if rc.plots else []
+    _write_json(out / "report.json", {"name": name, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                                      "report_version": VERSION, "knee": knee, "stages": results})
+    (out / "report.md").write_text(curve_markdown(results, images, knee))
     return out

@@ -1,0 +1,192 @@
+"""`python -m core bench scenario=...`: replay a scenario with locust against an OpenAI-compatible server.
+
+Locust runs headless in its own process (it patches everything with gevent at import). With no
+`target=URL`, servelab's own server is started with the same overrides as `serve` and stopped
+afterwards. The report has the same shape as `run`'s (per-request records, percentiles, goodput,
+CDF and timeline plots) plus locust's CSV and HTML; a ramp scenario runs one stage per user
+count and writes the throughput-latency curve with the knee where P99 TTFT breaks the SLO.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from core.config import engine_config, run_config, section
+from core.engine import resolve_model_path
+from core.errors import ConfigError
+from core.metrics import summarize
+from core.roofline import machine_info
+from scenarios.workloads import build_workload, materialize
+
+LOCUSTFILE = Path(__file__).resolve().parent.parent / "scenarios" / "locustfile.py"
+
+
+@dataclass
+class ScenarioConfig:
+    name: str = "chat_longtail"
+    workload: str = "chat_longtail"
+    chat: bool = False
+    users: int = 8
+    spawn_rate: float = 8
+    rate_per_user: float = 0.5
+    burstiness: float = 1.0
+    duration_s: float = 60
+    max_requests: int = 0
+    ramp: list | None = None
+    stage_s: float = 30
+    agent: dict | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class TargetConfig:
+    url: str | None = None  # None: start servelab's server
+    model: str | None = None  # the model name to send; None: ask /v1/models
+    api_key: str | None = None
+    ignore_eos: bool = True  # whether the server accepts ignore_eos (vLLM, SGLang, servelab do)
+    timeout_s: float = 600
+    workers: int = 0  # >0: locust master + this many worker processes on this machine
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_ready(url: str, proc: subprocess.Popen | None, timeout: float = 600) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise ConfigError(f"the server exited with status {proc.returncode} before it was ready")
+        try:
+            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise ConfigError(f"{url} was not ready within {timeout:.0f} s")
+
+
+def _served_model(url: str, api_key: str | None) -> str:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return httpx.get(f"{url}/v1/models", headers=headers, timeout=10).json()["data"][0]["id"]
+
+
+def _records(prefix: Path, t0: float) -> list[dict]:
+    out = []
+    for f in sorted(prefix.parent.glob(prefix.name + ".*")):
+        for line in f.read_text().splitlines():
+            r = json.loads(line)
+            r["arrival_s"] = r["start_s"] - t0
+            r["token_times_s"] = [t - t0 for t in r.pop("token_times_abs", [])]
+            r["finish_s"] = r["arrival_s"] + r["e2e_s"]
+            out.append(r)
+    out.sort(key=lambda r: r["arrival_s"])
+    for i, r in enumerate(out):
+        r["request_id"] = str(i)
+    return out
+
+
+def run_locust(spec: dict, url: str, users: int, spawn_rate: float, duration_s: float, out: Path, tag: str,
+               workers: int = 0) -> tuple[list[dict], float]:
+    """One headless locust run; returns (records, wall seconds)."""
+    spec_file = out / f"scenario-{tag}.json"
+    spec_file.write_text(json.dumps(spec))
+    records = out / f"records-{tag}.jsonl"
+    for old in out.glob(records.name + ".*"):
+        old.unlink()
+    env = {**os.environ, "SERVELAB_SCENARIO": str(spec_file), "SERVELAB_RECORDS": str(records)}
+    base = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless", "--host", url,
+            "-u", str(users), "-r", str(spawn_rate), "-t", f"{max(1, int(duration_s))}s", "--stop-timeout", "120",
+            "--csv", str(out / f"locust-{tag}"), "--html", str(out / f"locust-{tag}.html"), "--only-summary",
+            "--loglevel", "WARNING"]
+    t0 = time.perf_counter()
+    if workers > 0:
+        port = _free_port()
+        master = subprocess.Popen(base + ["--master", "--expect-workers", str(workers), "--master-bind-port", str(port)],
+                                  env=env)
+        procs = [subprocess.Popen([sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--worker",
+                                   "--master-port", str(port), "--loglevel", "WARNING"], env=env)
+                 for _ in range(workers)]
+        master.wait()
+        for p in procs:
+            p.wait(timeout=60)
+    else:
+        subprocess.run(base, env=env, check=False)
+    return _records(records, t0), time.perf_counter() - t0
+
+
+def run_bench(cfg: DictConfig, overrides: list[str]) -> int:
+    from core import report
+    from core.loader import load_tokenizer
+
+    sc = section(ScenarioConfig, cfg.get("scenario"), "scenario")
+    tc = section(TargetConfig, cfg.get("target"), "target")
+    rc, ec = run_config(cfg), engine_config(cfg)
+    from core.bench import workload_config
+
+    wc = workload_config(cfg)
+    tokenizer = load_tokenizer(resolve_model_path(ec))
+    workload = build_workload(wc, ec.model.max_model_len)
+    materialize(workload, tokenizer)
+    name = rc.name or f"bench-{sc.name}-{ec.scheduler.name}"
+    out = Path(rc.report_dir) / name
+    out.mkdir(parents=True, exist_ok=True)
+    server = None
+    url = tc.url
+    if url is None:  # our own server, with the same overrides as `serve`
+        port = _free_port()
+        queue = [] if any(o.startswith("server.max_queue=") for o in overrides) else \
+            [f"server.max_queue={max(256, 4 * max(sc.ramp or [sc.users]))}"]  # room for every user by default
+        server = subprocess.Popen([sys.executable, "-m", "core", "serve", *overrides, f"server.port={port}", *queue])
+        url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(url, server)
+        model = tc.model or _served_model(url, tc.api_key)
+        spec = {"name": sc.name, "model": model, "api_key": tc.api_key, "ignore_eos": tc.ignore_eos,
+                "timeout_s": tc.timeout_s, "rate_per_user": sc.rate_per_user, "burstiness": sc.burstiness,
+                "max_requests": sc.max_requests, "agent": sc.agent, "chat": sc.chat,
+                "requests": [{"prompt": tokenizer.decode(r.prompt_token_ids), "output_len": r.output_len}
+                             for r in workload.requests]}
+        stages = sc.ramp or [sc.users]
+        results = []
+        for users in stages:
+            duration = sc.stage_s if sc.ramp else sc.duration_s
+            records, wall = run_locust(spec, url, users, max(sc.spawn_rate, users), duration, out, f"u{users}",
+                                       tc.workers)
+            ok = [r for r in records if not r["error"]]
+            summary = summarize(ok, wall, [], rc.slo_ttft_s, rc.slo_tpot_s)
+            summary["failures"] = len(records) - len(ok)
+            results.append({
+                "label": f"{sc.name} users={users}", "users": users,
+                "config": OmegaConf.to_container(cfg, resolve=True), "target": url, "model": {"path": url, "architecture": "remote", "dtype": "-"},
+                "kv_cache": "see the server's /metrics", "machine": machine_info(), "workload": workload.describe(),
+                "summary": summary, "roofline": None, "requests": records, "steps": [],
+            })
+        if len(results) == 1:
+            report.write_run(results[0], name, rc)
+        else:
+            report.write_curve(results, name, rc)
+        print(report.summary_table(results))
+        print(f"report: {out / 'report.md'}")
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait(timeout=30)
+    return 0

@@ -1,0 +1,51 @@
+"""`python -m core bench`: locust in its own process against servelab's server on the tiny model."""
+
+import importlib.util
+import json
+import subprocess
+import sys
+
+import pytest
+
+# never import locust here: it monkey-patches the whole process with gevent
+if importlib.util.find_spec("locust") is None:
+    pytest.skip("locust is not installed", allow_module_level=True)
+
+COMMON = ["model.max_model_len=256", "cache.memory_gb=0.01", "workload=fixed", "workload.prompt_len=24",
+          "workload.output_len=8", "workload.num_requests=32"]
+
+
+def bench(tiny_llama, tmp_path, *overrides, timeout=240):
+    r = subprocess.run([sys.executable, "-m", "core", "bench", f"model.path={tiny_llama}", *COMMON,
+                        f"run.report_dir={tmp_path}", "run.name=b", *overrides],
+                       capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    return json.loads((tmp_path / "b" / "report.json").read_text())
+
+
+def test_short_scenario_records_every_request(tiny_llama, tmp_path):
+    rep = bench(tiny_llama, tmp_path, "scenario.duration_s=6", "scenario.users=4", "scenario.rate_per_user=2")
+    reqs = rep["requests"]
+    assert len(reqs) >= 8 and rep["summary"]["failures"] == 0
+    for r in reqs:
+        assert r["error"] is None and r["num_output_tokens"] == 8 and r["num_prompt_tokens"] > 0
+        assert 0 < r["ttft_s"] <= r["e2e_s"] and len(r["itl_s"]) >= 1
+    assert rep["summary"]["ttft_s"]["p99"] >= rep["summary"]["ttft_s"]["p50"]
+    stats = (tmp_path / "b" / "locust-u4_stats.csv").read_text().splitlines()
+    assert stats[0].startswith("Type,Name") and any("e2e" in line for line in stats)
+    assert (tmp_path / "b" / "report.md").read_text().startswith("# servelab run")
+
+
+def test_agent_scenario_retries_and_falls_back(tiny_llama, tmp_path):
+    # one running sequence and a queue of one: concurrent agents get 429s and retry; long answers hit
+    # the server's request timeout, and the retry goes to the fallback model name
+    rep = bench(tiny_llama, tmp_path, "scenario=agent", "scenario.duration_s=8", "scenario.users=6",
+                "scheduler.max_num_seqs=1", "server.max_queue=1", "server.request_timeout_s=0.4",
+                "model.max_model_len=1024", "workload.output_len=300", "scenario.agent.tool_result_chars=10",
+                "scenario.agent.fallback_model=backup", "scenario.agent.retries=3")
+    reqs = rep["requests"]
+    errors = [r["error"] or "" for r in reqs]
+    assert any("429" in e for e in errors)  # the queue guard rail pushed back
+    assert any("timeout" in e.lower() for e in errors)  # the server gave up on a long answer
+    assert any(r["model"] == "backup" for r in reqs)  # and retried on the fallback model name
+    assert rep["summary"]["failures"] == sum(1 for e in errors if e)
