@@ -149,6 +149,23 @@ def cmd_bench(args, cfg: DictConfig) -> int:
     from core.loadtest import run_bench
 
     overrides = list(args.overrides)
+    if args.multirun:  # a sweep over users or rate becomes the stages of one curve report
+        fixed, variants = expand_sweeps(overrides)
+        values = {}
+        for var in variants:
+            for ov in var:
+                key, _, value = ov.partition("=")
+                values.setdefault(key, []).append(value)
+        unknown = set(values) - {"scenario.users", "scenario.rate_per_user"}
+        if unknown:
+            raise ConfigError(f"bench -m sweeps scenario.users or scenario.rate_per_user, not {', '.join(sorted(unknown))}")
+        stages = {k: list(dict.fromkeys(v)) for k, v in values.items()}
+        if "scenario.users" in stages:
+            fixed.append(f"scenario.ramp=[{','.join(stages['scenario.users'])}]")
+        if "scenario.rate_per_user" in stages:
+            fixed.append(f"++scenario.ramp_rates=[{','.join(stages['scenario.rate_per_user'])}]")
+        overrides = fixed
+        cfg = compose(overrides)
     if not any(o.startswith("workload=") for o in overrides):  # the scenario names its workload
         overrides.append(f"workload={cfg.scenario.workload}")
         cfg = compose(overrides)
@@ -187,7 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     add("plugins", "list every component by kind, name and the package it came from")
     add("eval", "quality, size and speed of quantization variants against the unquantized baseline")
     add("serve", "an OpenAI-compatible HTTP server with Prometheus metrics and guard rails")
-    add("bench", "replay a locust scenario against servelab's server (started for you) or target.url=URL")
+    b = add("bench", "replay a locust scenario against servelab's server (started for you) or target.url=URL")
+    b.add_argument("-m", "--multirun", action="store_true",
+                   help="sweep scenario.users=1,2,4 or scenario.rate_per_user=... into one curve report")
     g = add("generate", "generate a completion for one prompt, streamed to the terminal")
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-tokens", type=int, default=64)
@@ -211,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     # run and compare report their set-up (KV-cache arithmetic); generate keeps stderr for errors
     level = logging.INFO if args.command in ("run", "compare", "eval", "serve", "bench") else logging.WARNING
     logging.basicConfig(level=level, format="servelab: %(message)s", stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per poll is noise
     commands = {"run": cmd_run, "compare": cmd_compare, "plugins": cmd_plugins, "generate": cmd_generate,
                 "eval": cmd_eval, "serve": cmd_serve, "bench": cmd_bench}
     try:

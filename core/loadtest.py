@@ -42,7 +42,8 @@ class ScenarioConfig:
     burstiness: float = 1.0
     duration_s: float = 60
     max_requests: int = 0
-    ramp: list | None = None
+    ramp: list | None = None  # stages of user counts
+    ramp_rates: list | None = None  # or stages of rate_per_user at `users` users
     stage_s: float = 30
     agent: dict | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -164,17 +165,23 @@ def run_bench(cfg: DictConfig, overrides: list[str]) -> int:
                 "max_requests": sc.max_requests, "agent": sc.agent, "chat": sc.chat,
                 "requests": [{"prompt": tokenizer.decode(r.prompt_token_ids), "output_len": r.output_len}
                              for r in workload.requests]}
-        stages = sc.ramp or [sc.users]
+        if sc.ramp_rates:
+            stages = [(sc.users, rate) for rate in sc.ramp_rates]
+        else:
+            stages = [(users, sc.rate_per_user) for users in (sc.ramp or [sc.users])]
+        staged = len(stages) > 1
         results = []
-        for users in stages:
-            duration = sc.stage_s if sc.ramp else sc.duration_s
-            records, wall = run_locust(spec, url, users, max(sc.spawn_rate, users), duration, out, f"u{users}",
-                                       tc.workers)
+        for users, rate in stages:
+            duration = sc.stage_s if staged else sc.duration_s
+            tag = f"u{users}" + (f"-r{rate:g}" if sc.ramp_rates else "")
+            records, wall = run_locust({**spec, "rate_per_user": rate}, url, users, max(sc.spawn_rate, users),
+                                       duration, out, tag, tc.workers)
             ok = [r for r in records if not r["error"]]
             summary = summarize(ok, wall, [], rc.slo_ttft_s, rc.slo_tpot_s)
             summary["failures"] = len(records) - len(ok)
             results.append({
-                "label": f"{sc.name} users={users}", "users": users,
+                "label": f"{sc.name} users={users}" + (f" rate={rate:g}" if sc.ramp_rates else ""), "users": users,
+                "rate_per_user": rate,
                 "config": OmegaConf.to_container(cfg, resolve=True), "target": url, "model": {"path": url, "architecture": "remote", "dtype": "-"},
                 "kv_cache": "see the server's /metrics", "machine": machine_info(), "workload": workload.describe(),
                 "summary": summary, "roofline": None, "requests": records, "steps": [],

@@ -49,3 +49,16 @@ def test_agent_scenario_retries_and_falls_back(tiny_llama, tmp_path):
     assert any("timeout" in e.lower() for e in errors)  # the server gave up on a long answer
     assert any(r["model"] == "backup" for r in reqs)  # and retried on the fallback model name
     assert rep["summary"]["failures"] == sum(1 for e in errors if e)
+
+
+def test_a_users_sweep_makes_one_curve_report(tiny_llama, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "core", "bench", "-m", "scenario.users=1,3", f"model.path={tiny_llama}",
+                        *COMMON, "scenario.stage_s=3", "scenario.rate_per_user=0", f"run.report_dir={tmp_path}",
+                        "run.name=c", "run.slo_ttft_s=0.000001"], capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.loads((tmp_path / "c" / "report.json").read_text())
+    assert [s["users"] for s in rep["stages"]] == [1, 3]
+    assert rep["knee"]["users"] == 1  # an SLO nobody meets breaks at the first stage
+    md = (tmp_path / "c" / "report.md").read_text()
+    assert "The knee: 1 users" in md and "load_curve.png" in md
+    assert (tmp_path / "c" / "load_curve.png").read_bytes()[:4] == b"\x89PNG"
