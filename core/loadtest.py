@@ -90,9 +90,12 @@ def _served_model(url: str, api_key: str | None) -> str:
 
 
 def _records(prefix: Path, t0: float) -> list[dict]:
+    """Every process's JSON lines, merged (and removed: report.json keeps them all)."""
     out = []
     for f in sorted(prefix.parent.glob(prefix.name + ".*")):
-        for line in f.read_text().splitlines():
+        lines = f.read_text().splitlines()
+        f.unlink()
+        for line in lines:
             r = json.loads(line)
             r["arrival_s"] = r["start_s"] - t0
             r["token_times_s"] = [t - t0 for t in r.pop("token_times_abs", [])]
@@ -130,7 +133,9 @@ def run_locust(spec: dict, url: str, users: int, spawn_rate: float, duration_s: 
             p.wait(timeout=60)
     else:
         subprocess.run(base, env=env, check=False)
-    return _records(records, t0), time.perf_counter() - t0
+    result = _records(records, t0), time.perf_counter() - t0
+    spec_file.unlink()  # the prompts are in the workload; the records in report.json
+    return result
 
 
 def run_bench(cfg: DictConfig, overrides: list[str]) -> int:
