@@ -57,12 +57,11 @@ class ServerConfig:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-class CompletionRequest(BaseModel):
-    """The body of /v1/completions (extra fields are accepted and ignored)."""
+class GenerationRequest(BaseModel):
+    """Fields both endpoints share (extra fields are accepted and ignored)."""
 
     model_config = ConfigDict(extra="allow")
     model: str | None = None
-    prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -72,31 +71,24 @@ class CompletionRequest(BaseModel):
     seed: int | None = None
     stream: bool = False
     stream_options: dict | None = None
-    logprobs: int | None = None
     ignore_eos: bool = False
     priority: int | None = None
 
 
-class ChatCompletionRequest(BaseModel):
-    """The body of /v1/chat/completions (extra fields are accepted and ignored)."""
+class CompletionRequest(GenerationRequest):
+    """The body of /v1/completions."""
 
-    model_config = ConfigDict(extra="allow")
-    model: str | None = None
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+
+
+class ChatCompletionRequest(GenerationRequest):
+    """The body of /v1/chat/completions."""
+
     messages: list[dict[str, Any]]  # {"role": ..., "content": str or content parts}
-    max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    n: int | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    stream: bool = False
-    stream_options: dict | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    ignore_eos: bool = False
-    priority: int | None = None
 
 
 class OpenAIError(Exception):
