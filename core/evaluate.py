@@ -27,8 +27,9 @@ from core.engine import Engine
 from core.quantize import forward_prompt
 from core.roofline import machine_info, weight_bytes
 from core.types import SamplingParams
+from scenarios.workloads import DATA
 
-PROMPTS = Path(__file__).resolve().parent.parent / "scenarios" / "data" / "eval_prompts.json"
+PROMPTS = DATA / "eval_prompts.json"
 
 
 @dataclass

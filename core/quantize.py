@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from core.types import AttentionMetadata
+from kernels.attention import allocate_kv_layer
 
 
 def swap_linears(model: nn.Module, make: Callable[[str, nn.Linear], nn.Module], keep: list[str]) -> list[str]:
@@ -49,15 +50,7 @@ def forward_prompt(model: nn.Module, token_ids: list[int], kv_dtype: torch.dtype
     args = model.args
     t = len(token_ids)
     dtype = kv_dtype or model.model.norm.weight.dtype  # the embedding may be quantized
-    shape = (1, args.num_kv_heads, t, args.head_dim)
-
-    def layer():
-        kv = (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
-        if dtype == torch.int8:
-            kv += (torch.zeros(shape[:3], dtype=torch.float16), torch.zeros(shape[:3], dtype=torch.float16))
-        return kv
-
-    kv = [layer() for _ in range(args.num_layers)]
+    kv = [allocate_kv_layer(1, args.num_kv_heads, t, args.head_dim, dtype) for _ in range(args.num_layers)]
     meta = AttentionMetadata(
         slot_mapping=torch.arange(t), block_tables=torch.zeros(1, 1, dtype=torch.int32),
         context_lens=torch.tensor([t]), query_lens=torch.tensor([t]), query_start_loc=torch.tensor([0, t]),

@@ -17,6 +17,17 @@ import torch
 import torch.nn.functional as F
 
 
+def allocate_kv_layer(num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype,
+                      device=None) -> tuple[torch.Tensor, ...]:
+    """One layer's cache: (k, v), plus (k_scale, v_scale) per token and head when dtype is int8."""
+    shape = (num_blocks, num_kv_heads, block_size, head_dim)  # head-major blocks
+    kv = (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+    if dtype == torch.int8:
+        kv += (torch.zeros(shape[:3], dtype=torch.float16, device=device),
+               torch.zeros(shape[:3], dtype=torch.float16, device=device))
+    return kv
+
+
 def quantize_kv(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """INT8 KV: one fp16 scale per token and head, x ~ q * scale. x [..., head_dim]."""
     scale = (x.float().abs().amax(dim=-1) / 127.0).clamp(min=1e-8)

@@ -8,6 +8,7 @@ from torch import nn
 from core.config import BackendConfig
 from core.plugins import hookimpl
 from core.types import KVCacheSpec, ModelInput
+from kernels.attention import allocate_kv_layer
 
 
 class TorchBackend:
@@ -20,16 +21,9 @@ class TorchBackend:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        shape = (num_blocks, self.spec.num_kv_heads, block_size, self.spec.head_dim)  # head-major blocks
-        def layer():
-            kv = (torch.zeros(shape, dtype=self.spec.dtype, device=self.device),
-                  torch.zeros(shape, dtype=self.spec.dtype, device=self.device))
-            if self.spec.dtype == torch.int8:  # per-token, per-head scales beside the int8 values
-                kv += (torch.zeros(shape[:3], dtype=torch.float16, device=self.device),
-                       torch.zeros(shape[:3], dtype=torch.float16, device=self.device))
-            return kv
-
-        self.kv_caches = [layer() for _ in range(self.spec.num_layers)]
+        sp = self.spec
+        self.kv_caches = [allocate_kv_layer(num_blocks, sp.num_kv_heads, block_size, sp.head_dim, sp.dtype, self.device)
+                          for _ in range(sp.num_layers)]
 
     @torch.inference_mode()
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
