@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from core.engine import Engine
-from core.plugins import get_registry
-from core.types import KVCacheSpec, SamplingParams, ScheduledSeq, Sequence
-from kernels.attention import paged_attention
+from core.engine.engine import Engine
+from core.engine.registry import get_registry
+from core.engine.types import KVCacheSpec, SamplingParams, ScheduledSeq, Sequence
+from kernels.attention import decode_attention
+from tests.tiny import step_inputs
 
 SPEC = KVCacheSpec(num_layers=30, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16, max_model_len=2048)
 ALLOCATORS = get_registry().names("cache")
@@ -22,8 +23,7 @@ SCHEDULERS = [n for n in get_registry().names("scheduler")]
 
 @pytest.mark.parametrize("name", ALLOCATORS)
 def test_allocator_allocate_append_free(benchmark, name):
-    alloc = get_registry().create("cache", name, config=CacheConfig(name=name, memory_gb=2.0), spec=SPEC,
-                                  max_num_seqs=256)
+    alloc = get_registry().create("cache", CacheConfig(name=name, memory_gb=2.0), spec=SPEC, max_num_seqs=256)
     seqs = [Sequence("r", list(range(200)), SamplingParams(max_tokens=64)) for _ in range(32)]
 
     def cycle():
@@ -35,7 +35,7 @@ def test_allocator_allocate_append_free(benchmark, name):
             for s in seqs:
                 alloc.allocate(s, 1)
                 s.num_computed_tokens += 1
-        alloc.attention_metadata([ScheduledSeq(s, 1) for s in seqs])
+        step_inputs(alloc, [ScheduledSeq(s, 1) for s in seqs])  # the runner's block tables -> inputs
         for s in seqs:
             alloc.free(s)
 
@@ -47,9 +47,9 @@ def test_scheduler_step_256_requests(benchmark, name):
     reg = get_registry()
 
     def setup():
-        alloc = reg.create("cache", "contiguous", config=CacheConfig(), spec=SPEC, max_num_seqs=256)
-        sched = reg.create("scheduler", name, config=SchedulerConfig(name=name, max_num_seqs=256,
-                                                                     max_num_batched_tokens=1 << 20), allocator=alloc)
+        alloc = reg.create("cache", CacheConfig(), spec=SPEC, max_num_seqs=256)
+        sched = reg.create("scheduler", SchedulerConfig(name=name, max_num_seqs=256, max_num_batched_tokens=1 << 20),
+                           allocator=alloc)
         for i in range(256):
             sched.add(Sequence(str(i), [1] * (16 + i % 64), SamplingParams(max_tokens=32)))
         return (sched,), {}
@@ -66,8 +66,7 @@ def test_attention_decode(benchmark, batch, ctx):
     perm = torch.randperm(batch * blocks).view(batch, blocks).int()
     q = torch.randn(batch, 9, 64, dtype=torch.bfloat16)
     lens = torch.full((batch,), ctx)
-    qsl = torch.arange(batch + 1)
-    benchmark(paged_attention, q, kc, vc, perm, lens, qsl, 0.125)
+    benchmark(decode_attention, q, kc, vc, perm, lens, 0.125)
 
 
 def test_engine_decode_step_tiny(benchmark, tiny_llama):

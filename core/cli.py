@@ -2,60 +2,28 @@
 
 argparse takes the command word and its flags; Hydra's compose API takes the overrides, so
 `python -m core run scheduler=static quant=none` works like a Hydra app without `@hydra.main`.
+This module only parses and dispatches: each command lives with the part of core it drives.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
-from importlib import resources
 
 from omegaconf import DictConfig
 
-from core.config import run_config
+from core.config.compose import compose, expand_sweeps
+from core.config.schema import run_config
 from core.errors import ConfigError, ServelabError
-from core.plugins import KINDS, get_registry
-
-
-def _group_options(group: str) -> set[str]:
-    folder = resources.files("conf") / group
-    return {p.name[: -len(".yaml")] for p in folder.iterdir() if p.name.endswith(".yaml")} if folder.is_dir() else set()
-
-
-def _rewrite_plugin_overrides(overrides: list[str]) -> list[str]:
-    """`scheduler=sjf` where no conf/scheduler/sjf.yaml exists but a plugin registered `sjf`
-    becomes `scheduler.name=sjf`: third-party components are chosen by name like in-repo ones."""
-    out = []
-    registry = None
-    for ov in overrides:
-        key, sep, value = ov.partition("=")
-        if sep and key in KINDS and value not in _group_options(key):
-            registry = registry or get_registry()
-            registry.get(key, value)  # unknown everywhere: one line naming kind, value and choices
-            ov = f"{key}.name={value}"
-        out.append(ov)
-    return out
-
-
-def compose(overrides: list[str]) -> DictConfig:
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_module
-    from hydra.core.global_hydra import GlobalHydra
-
-    overrides = _rewrite_plugin_overrides(list(overrides))
-    GlobalHydra.instance().clear()
-    with initialize_config_module(config_module="conf", version_base=None):
-        return hydra_compose(config_name="config", overrides=overrides)
-
-
-# ---- commands --------------------------------------------------------------------------------
 
 
 def cmd_plugins(args, cfg: DictConfig) -> int:
-    registry = get_registry()
-    rows = [(c.kind, c.name, c.source) for c in registry.all()]
+    from core.engine.registry import get_registry
+
+    rows = [(c.kind, c.name, c.source) for c in get_registry().all()]
     widths = [max(len(r[i]) for r in rows + [("kind", "name", "from")]) for i in range(3)]
     print("  ".join(h.ljust(w) for h, w in zip(("kind", "name", "from"), widths)))
     for r in rows:
@@ -64,20 +32,16 @@ def cmd_plugins(args, cfg: DictConfig) -> int:
 
 
 def cmd_generate(args, cfg: DictConfig) -> int:
-    from core.config import engine_config
-    from core.engine import Engine
-    from core.types import SamplingParams
+    from core.engine.components import engine_config
+    from core.engine.engine import Engine
+    from core.engine.records import sequence_record
+    from core.engine.types import SamplingParams
 
-    params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        seed=args.seed, stop=args.stop or [], ignore_eos=args.ignore_eos,
-    )
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed, stop=args.stop or [], ignore_eos=args.ignore_eos)
     engine = Engine(engine_config(cfg))
     tok = engine.tokenizer
-    if args.chat:
-        ids = tok.encode_chat([{"role": "user", "content": args.prompt}])
-    else:
-        ids = tok.encode(args.prompt)
+    ids = tok.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else tok.encode(args.prompt)
     t0 = time.perf_counter()
     rid = engine.add_request(prompt_token_ids=ids, params=params, arrival_time=t0)
     sequence = engine.requests[rid].seqs[0]
@@ -89,18 +53,15 @@ def cmd_generate(args, cfg: DictConfig) -> int:
             if not args.json:
                 for text, _ in out.deltas.values():
                     print(text, end="", flush=True)
-            if out.finished:
-                final = out
+            final = out if out.finished else final
     t1 = time.perf_counter()
     seq = final.outputs[0]
     if args.json:
-        from core.metrics import request_metrics
-
-        m = request_metrics(sequence)
+        r = sequence_record(sequence).to_dict()
         print(json.dumps({
-            "request_id": rid, "prompt": args.prompt, "prompt_token_ids": ids,
-            "text": seq.text, "token_ids": seq.token_ids, "finish_reason": seq.finish_reason,
-            "timings": {k: m[k] for k in ("ttft_s", "tpot_s", "e2e_s", "prefill_s")}
+            "request_id": rid, "prompt": args.prompt, "prompt_token_ids": ids, "text": seq.text,
+            "token_ids": seq.token_ids, "finish_reason": seq.finish_reason,
+            "timings": {k: r[k] for k in ("ttft_s", "tpot_s", "e2e_s", "prefill_s")}
             | {"tokens_per_s": len(seq.token_ids) / (t1 - t0)},
         }, indent=2))
     else:
@@ -109,26 +70,8 @@ def cmd_generate(args, cfg: DictConfig) -> int:
     return 0
 
 
-def expand_sweeps(overrides: list[str]) -> tuple[list[str], list[list[str]]]:
-    """Hydra multirun syntax: `scheduler=static,continuous` -> one variant per value (cartesian
-    product over every swept key). Returns (fixed overrides, variants)."""
-    import itertools
-
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
-    parsed = OverridesParser.create().parse_overrides(overrides)
-    fixed, sweeps = [], []
-    for text, ov in zip(overrides, parsed):
-        if ov.is_sweep_override():
-            key = ov.get_key_element()
-            sweeps.append([f"{key}={v}" for v in ov.sweep_string_iterator()])
-        else:
-            fixed.append(text)
-    return fixed, [list(combo) for combo in itertools.product(*sweeps)] if sweeps else [[]]
-
-
 def cmd_run(args, cfg: DictConfig) -> int:
-    from core.bench import compare, run_benchmark
+    from core.bench.run import compare, run_benchmark
 
     if args.multirun:
         fixed, variants = expand_sweeps(args.overrides)
@@ -137,56 +80,65 @@ def cmd_run(args, cfg: DictConfig) -> int:
 
 
 def cmd_compare(args, cfg: DictConfig) -> int:
-    from core.bench import compare
+    from core.bench.run import compare
 
     if not args.variant:
-        raise ConfigError('compare needs at least one -v "OVERRIDES" (e.g. -v scheduler=static -v backend=hf)')
-    variants = [v.split() for v in args.variant]
-    return compare(list(args.overrides), variants, args.label, run_config(cfg).name)
+        raise ConfigError('compare needs at least one -v "OVERRIDES" (e.g. -v scheduler=static -v peer=hf)')
+    return compare(list(args.overrides), [v.split() for v in args.variant], args.label, run_config(cfg).name)
 
 
-def cmd_bench(args, cfg: DictConfig) -> int:
-    from core.loadtest import run_bench
-
-    overrides = list(args.overrides)
-    if args.multirun:  # a sweep over users or rate becomes the stages of one curve report
+def bench_overrides(overrides: list[str], multirun: bool) -> tuple[list[str], DictConfig]:
+    """A `bench -m` sweep over users or rate becomes the stages of one curve report; the scenario
+    names its workload unless the command line does."""
+    if multirun:
         fixed, variants = expand_sweeps(overrides)
-        values = {}
-        for var in variants:
-            for ov in var:
-                key, _, value = ov.partition("=")
-                values.setdefault(key, []).append(value)
-        unknown = set(values) - {"scenario.users", "scenario.rate_per_user"}
+        stages: dict[str, list[str]] = {}
+        for ov in (o for var in variants for o in var):
+            key, _, value = ov.partition("=")
+            stages.setdefault(key, [])
+            if value not in stages[key]:
+                stages[key].append(value)
+        unknown = set(stages) - {"scenario.users", "scenario.rate_per_user"}
         if unknown:
             raise ConfigError(f"bench -m sweeps scenario.users or scenario.rate_per_user, not {', '.join(sorted(unknown))}")
-        stages = {k: list(dict.fromkeys(v)) for k, v in values.items()}
         if "scenario.users" in stages:
             fixed.append(f"scenario.ramp=[{','.join(stages['scenario.users'])}]")
         if "scenario.rate_per_user" in stages:
             fixed.append(f"++scenario.ramp_rates=[{','.join(stages['scenario.rate_per_user'])}]")
         overrides = fixed
+    cfg = compose(overrides)
+    if not any(o.startswith("workload=") for o in overrides):
+        overrides = overrides + [f"workload={cfg.scenario.workload}"]
         cfg = compose(overrides)
-    if not any(o.startswith("workload=") for o in overrides):  # the scenario names its workload
-        overrides.append(f"workload={cfg.scenario.workload}")
-        cfg = compose(overrides)
+    return overrides, cfg
+
+
+def cmd_bench(args, cfg: DictConfig) -> int:
+    from core.bench.loadtest import run_bench
+
+    overrides, cfg = bench_overrides(list(args.overrides), args.multirun)
     engine_overrides = [o for o in overrides if not o.startswith(("scenario", "target", "run.", "workload"))]
     return run_bench(cfg, engine_overrides)
 
 
 def cmd_serve(args, cfg: DictConfig) -> int:
-    from core.server import serve
+    from core.server.app import serve
 
-    return serve(cfg, args.overrides, compose)
+    return serve(cfg, args.overrides)
 
 
 def cmd_eval(args, cfg: DictConfig) -> int:
-    from core.evaluate import run_eval
+    from core.bench.evaluate import run_eval
 
     # the variants are composed on top of the command line's own overrides
-    return run_eval(cfg, [o for o in args.overrides if not o.startswith("eval.")], compose)
+    return run_eval(cfg, [o for o in args.overrides if not o.startswith("eval.")])
 
 
-def main(argv: list[str] | None = None) -> int:
+COMMANDS = {"run": cmd_run, "compare": cmd_compare, "plugins": cmd_plugins, "generate": cmd_generate,
+            "eval": cmd_eval, "serve": cmd_serve, "bench": cmd_bench}
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m core", description="servelab: a pluggable LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -195,18 +147,18 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. scheduler=static model.dtype=bf16")
         return p
 
-    r = add("run", "run the offline benchmark on a workload and write a report")
-    r.add_argument("-m", "--multirun", action="store_true",
-                   help="sweep comma-separated values (scheduler=static,continuous) into one comparison report")
+    add("run", "run the offline benchmark on a workload and write a report").add_argument(
+        "-m", "--multirun", action="store_true",
+        help="sweep comma-separated values (scheduler=static,continuous) into one comparison report")
     c = add("compare", "run several configurations on the same workload; one comparison report")
     c.add_argument("-v", "--variant", action="append", help='one configuration, e.g. -v "scheduler=static"')
     c.add_argument("--label", action="append", help="a name for each variant, in order")
     add("plugins", "list every component by kind, name and the package it came from")
     add("eval", "quality, size and speed of quantization variants against the unquantized baseline")
     add("serve", "an OpenAI-compatible HTTP server with Prometheus metrics and guard rails")
-    b = add("bench", "replay a locust scenario against servelab's server (started for you) or target.url=URL")
-    b.add_argument("-m", "--multirun", action="store_true",
-                   help="sweep scenario.users=1,2,4 or scenario.rate_per_user=... into one curve report")
+    add("bench", "replay a locust scenario against servelab's server (started for you) or target.url=URL").add_argument(
+        "-m", "--multirun", action="store_true",
+        help="sweep scenario.users=1,2,4 or scenario.rate_per_user=... into one curve report")
     g = add("generate", "generate a completion for one prompt, streamed to the terminal")
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-tokens", type=int, default=64)
@@ -218,6 +170,11 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--json", action="store_true", help="print text, token ids and timings as JSON")
+    return parser
+
+
+def parse_args(argv: list[str] | None):
+    parser = build_parser()
     # Overrides may stand between the flags (`compare workload=x -v ... run.name=y`): argparse leaves
     # the ones after a flag unparsed, and they are overrides too.
     args, rest = parser.parse_known_args(argv)
@@ -225,23 +182,22 @@ def main(argv: list[str] | None = None) -> int:
     if stray:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     args.overrides = list(args.overrides) + rest
-    import logging
+    return args
 
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     # run and compare report their set-up (KV-cache arithmetic); generate keeps stderr for errors
     level = logging.INFO if args.command in ("run", "compare", "eval", "serve", "bench") else logging.WARNING
     logging.basicConfig(level=level, format="servelab: %(message)s", stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per poll is noise
-    commands = {"run": cmd_run, "compare": cmd_compare, "plugins": cmd_plugins, "generate": cmd_generate,
-                "eval": cmd_eval, "serve": cmd_serve, "bench": cmd_bench}
     try:
-        overrides = args.overrides
-        if getattr(args, "multirun", False):
-            overrides = expand_sweeps(overrides)[0]
+        overrides = expand_sweeps(args.overrides)[0] if getattr(args, "multirun", False) else args.overrides
         cfg = compose(overrides)
-        from core.config import engine_config
+        from core.engine.components import engine_config
 
-        engine_config(cfg)  # type-check every command's config up front
-        return commands[args.command](args, cfg)
+        engine_config(cfg)  # type-check every command's config (plugins' own keys included) up front
+        return COMMANDS[args.command](args, cfg)
     except ServelabError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -259,11 +215,10 @@ def _is_config_error(e: Exception) -> bool:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    return isinstance(e, (HydraException, OmegaConfBaseException, ConfigError))
+    return isinstance(e, (HydraException, OmegaConfBaseException))
 
 
 def _first_line(e: Exception) -> str:
     lines = [ln for ln in str(e).splitlines() if ln.strip()]
     # Hydra puts the useful part (e.g. "Available options in 'scheduler': ...") on later lines.
     return " ".join(ln.strip() for ln in lines[:3])
-

@@ -3,12 +3,16 @@
 Layout: per layer, `k_cache` and `v_cache` are [num_blocks, num_kv_heads, block_size, head_dim]
 (head-major inside a block, so a gathered block is already in matmul layout). A sequence's
 tokens live in the blocks its row of `block_tables` lists, in order. The contiguous allocator is
-the special case block_size = max_model_len with one block per sequence.
+the special case block_size = max_model_len with one block per sequence. An int8 cache comes
+with fp16 scales [num_blocks, num_kv_heads, block_size], one per token and head.
 
 Decode queries (one token per sequence) are computed together over the packed blocks of all
 their sequences, with no padding: scores per block, a softmax over each sequence's segment of
 blocks, then the weighted values summed per sequence. Prefill chunks go one sequence at a time
 through scaled_dot_product_attention with a causal mask offset by the cached prefix.
+
+Every function takes tensors (plus optional host copies a caller already has), so a Triton twin
+can take the same arguments.
 """
 
 from __future__ import annotations
@@ -40,8 +44,7 @@ def write_kv(
     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> None:
     """Store new tokens' K and V ([num_tokens, kv_heads, head_dim]) at their flat slots
-    (slot = block * block_size + offset). An int8 cache also stores per-token, per-head scales
-    in `k_scale`/`v_scale` [num_blocks, kv_heads, block_size]."""
+    (slot = block * block_size + offset), quantizing for an int8 cache."""
     block_size = k_cache.shape[2]
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
     if k_cache.dtype == torch.int8:
@@ -59,39 +62,37 @@ def _blocks(cache: torch.Tensor, scales: torch.Tensor | None, ids: torch.Tensor,
     x = torch.index_select(cache, 0, ids)
     if scales is None:
         return x
-    return (x.to(dtype) * torch.index_select(scales, 0, ids).to(dtype)[..., None])
+    return x.to(dtype) * torch.index_select(scales, 0, ids).to(dtype)[..., None]
 
 
-def _seq_kv(cache: torch.Tensor, blocks: list[int], length: int, scales: torch.Tensor | None = None,
-            dtype: torch.dtype | None = None) -> torch.Tensor:
-    """One sequence's first `length` cached tokens as [kv_heads, length, head_dim]."""
-    block_size = cache.shape[2]
-    n = -(-length // block_size)
-    ids = torch.tensor(blocks[:n], device=cache.device)
-    kv = _blocks(cache, scales, ids, dtype or cache.dtype)  # [n, kvh, bs, d]
-    return kv.transpose(0, 1).reshape(cache.shape[1], n * block_size, cache.shape[3])[:, :length]
+def pack_decode_blocks(block_tables: torch.Tensor, context_lens: torch.Tensor,
+                       block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The blocks decode attention reads, packed: (block ids, owning sequence, first position of
+    each block). Depends only on the step's metadata, so a caller computes it once per step."""
+    counts = (context_lens + block_size - 1) // block_size
+    used = torch.arange(block_tables.shape[1], device=block_tables.device)[None, :] < counts[:, None]
+    owner, col = used.nonzero(as_tuple=True)
+    return block_tables[owner, col].long(), owner, col * block_size
 
 
 def decode_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: list[list[int]], context_lens: list[int],
-    scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    context_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None, packed: tuple | None = None,
 ) -> torch.Tensor:
-    """One query token per sequence, q [B, num_heads, head_dim], over each sequence's cached tokens."""
+    """One query token per sequence, q [B, num_heads, head_dim], over each sequence's cached
+    tokens; `packed` is pack_decode_blocks' result when the caller already has it."""
     b, num_heads, d = q.shape
     kvh, block_size = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // kvh
-    counts = [-(-c // block_size) for c in context_lens]
-    ids = torch.tensor([blk for t, n in zip(tables, counts) for blk in t[:n]], device=q.device)
-    owner = torch.repeat_interleave(torch.arange(b, device=q.device), torch.tensor(counts, device=q.device))
-    first_pos = torch.tensor([i * block_size for n in counts for i in range(n)], device=q.device)
+    ids, owner, first_pos = packed if packed is not None else pack_decode_blocks(block_tables, context_lens, block_size)
     n = ids.numel()
     dtype = q.dtype if k_cache.dtype == torch.int8 else k_cache.dtype
     keys = _blocks(k_cache, k_scale, ids, dtype).view(n * kvh, block_size, d)
     values = _blocks(v_cache, v_scale, ids, dtype).view(n * kvh, block_size, d)
     qb = q.to(keys.dtype).view(b, kvh, group, d).index_select(0, owner).view(n * kvh, group, d)
     scores = torch.bmm(qb, keys.transpose(1, 2)).float().view(n, kvh, group, block_size) * scale
-    ctx = torch.tensor(context_lens, device=q.device)
-    valid = first_pos[:, None] + torch.arange(block_size, device=q.device)[None, :] < ctx[owner][:, None]
+    valid = first_pos[:, None] + torch.arange(block_size, device=q.device)[None, :] < context_lens[owner][:, None]
     scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
     # softmax over each sequence's blocks: a running max per sequence, then normalise by the sum
     seq_max = torch.full((b, kvh, group), float("-inf"), device=q.device)
@@ -104,64 +105,42 @@ def decode_attention(
     return (out / denom[..., None]).view(b, num_heads, d)
 
 
+def _seq_kv(cache: torch.Tensor, table: torch.Tensor, length: int, scales: torch.Tensor | None,
+            dtype: torch.dtype) -> torch.Tensor:
+    """One sequence's first `length` cached tokens as [kv_heads, length, head_dim]."""
+    block_size = cache.shape[2]
+    n = -(-length // block_size)
+    kv = _blocks(cache, scales, table[:n].long(), dtype)  # [n, kvh, bs, d]
+    return kv.transpose(0, 1).reshape(cache.shape[1], n * block_size, cache.shape[3])[:, :length]
+
+
 def prefill_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, blocks: list[int], context_len: int, scale: float,
-    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    context_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None, host: tuple[list[int], list[int]] | None = None,
 ) -> torch.Tensor:
-    """A chunk of q_len queries [q_len, heads, d], the last tokens of a sequence of context_len."""
-    q_len = q.shape[0]
+    """Packed chunks q [num_tokens, heads, d]: sequence i's queries are rows
+    query_start_loc[i]:query_start_loc[i+1], its last tokens of context_lens[i], causal over the
+    cached prefix. `host` = (query_start_loc, context_lens) as lists, when the caller has them."""
+    starts, ctxs = host if host is not None else (query_start_loc.tolist(), context_lens.tolist())
     dtype = q.dtype if k_cache.dtype == torch.int8 else k_cache.dtype
-    keys = _seq_kv(k_cache, blocks, context_len, k_scale, dtype)  # [kvh, ctx, d]
-    values = _seq_kv(v_cache, blocks, context_len, v_scale, dtype)
-    q_pos = torch.arange(context_len - q_len, context_len, device=q.device)
-    mask = torch.arange(context_len, device=q.device)[None, :] <= q_pos[:, None]
-    o = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0).to(keys.dtype), keys.unsqueeze(0), values.unsqueeze(0),
-        attn_mask=mask[None, None], scale=scale, enable_gqa=True,
-    )
-    return o[0].transpose(0, 1)
-
-
-def paged_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-    query_lens_cpu: list[int] | None = None,
-    context_lens_cpu: list[int] | None = None,
-    block_tables_cpu: list[list[int]] | None = None,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Causal attention of packed queries over cached KV (an int8 cache comes with its scales).
-
-    q: [num_tokens, num_heads, head_dim]; sequence i's queries are rows
-    query_start_loc[i]:query_start_loc[i+1], and they are its last tokens: query j of a sequence
-    with q_len queries and ctx_len cached tokens sits at position ctx_len - q_len + j and sees keys
-    0..that position. Returns [num_tokens, num_heads, head_dim]. The *_cpu arguments are host
-    copies of the tensors, passed by callers that already have them.
-    """
-    if query_lens_cpu is None:
-        query_lens_cpu = (query_start_loc[1:] - query_start_loc[:-1]).tolist()
-    if context_lens_cpu is None:
-        context_lens_cpu = context_lens.tolist()
-    if block_tables_cpu is None:
-        block_tables_cpu = block_tables.tolist()
     out = torch.empty_like(q)
-    starts = query_start_loc.tolist()
-    decode = [i for i, n in enumerate(query_lens_cpu) if n == 1]
-    if decode:
-        rows = torch.tensor([starts[i] for i in decode], device=q.device)
-        o = decode_attention(q.index_select(0, rows), k_cache, v_cache, [block_tables_cpu[i] for i in decode],
-                             [context_lens_cpu[i] for i in decode], scale, k_scale, v_scale)
-        out[rows] = o.to(out.dtype)
-    for i, q_len in enumerate(query_lens_cpu):
-        if q_len > 1:
-            s = starts[i]
-            o = prefill_attention(q[s : s + q_len], k_cache, v_cache, block_tables_cpu[i], context_lens_cpu[i], scale,
-                                  k_scale, v_scale)
-            out[s : s + q_len] = o.to(out.dtype)
+    for i, ctx in enumerate(ctxs):
+        s, e = starts[i], starts[i + 1]
+        keys = _seq_kv(k_cache, block_tables[i], ctx, k_scale, dtype)  # [kvh, ctx, d]
+        values = _seq_kv(v_cache, block_tables[i], ctx, v_scale, dtype)
+        q_pos = torch.arange(ctx - (e - s), ctx, device=q.device)
+        mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]
+        o = F.scaled_dot_product_attention(
+            q[s:e].transpose(0, 1).unsqueeze(0).to(keys.dtype), keys.unsqueeze(0), values.unsqueeze(0),
+            attn_mask=mask[None, None], scale=scale, enable_gqa=True,
+        )
+        out[s:e] = o[0].transpose(0, 1).to(out.dtype)
     return out
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One sequence with no cache: q [t, heads, d], k/v [t, kv_heads, d] (calibration passes)."""
+    o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+                                       v.transpose(0, 1).unsqueeze(0), is_causal=True, scale=scale, enable_gqa=True)
+    return o[0].transpose(0, 1)

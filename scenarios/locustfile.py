@@ -4,9 +4,10 @@ Run by `python -m core bench` in its own process (locust patches the process wit
 scenario comes from the JSON file named by SERVELAB_SCENARIO: the requests (prompt text and
 forced output length, drawn from the same workload definitions as `run`), the endpoint, model
 name(s), API key, pacing and, for agents, the conversation shape. Each user writes one JSON line
-per request to SERVELAB_RECORDS.<pid>: TTFT, every inter-token gap, TPOT, e2e, token counts and
-errors. Locust's own timer stops at the response headers, so the request event is fired here,
-with the end-to-end time.
+per request to SERVELAB_RECORDS.<pid>: servelab's one record schema (core.engine.records), timed
+from SERVELAB_ORIGIN (the bench's perf_counter at launch: CLOCK_MONOTONIC, shared by every process
+on the machine). Locust's own timer stops at the response headers, so the request event is fired
+here, with the end-to-end time.
 """
 
 from __future__ import annotations
@@ -19,7 +20,10 @@ import time
 
 from locust import HttpUser, events, task
 
+from core.engine.records import make_record
+
 SPEC = json.loads(open(os.environ["SERVELAB_SCENARIO"]).read())
+ORIGIN = float(os.environ.get("SERVELAB_ORIGIN", "0"))
 RECORDS = open(f"{os.environ['SERVELAB_RECORDS']}.{os.getpid()}", "a", buffering=1)
 _next_request = itertools.count()
 
@@ -57,7 +61,7 @@ class ServelabUser(HttpUser):
         """One streamed request; returns its record (error set on failure)."""
         path = "/v1/chat/completions" if chat else "/v1/completions"
         start = time.perf_counter()
-        times, text, usage, error, status = [], [], None, None, None
+        times, text, usage, error, status, finish = [], [], None, None, None, None
         try:
             with self.client.post(path, json=body, stream=True, catch_response=True, name=name,
                                   timeout=SPEC.get("timeout_s", 600)) as resp:
@@ -82,6 +86,7 @@ class ServelabUser(HttpUser):
                         if chunk.get("usage"):
                             usage = chunk["usage"]
                         for c in chunk.get("choices", []):
+                            finish = c.get("finish_reason") or finish
                             piece = (c.get("delta") or {}).get("content") if chat else c.get("text")
                             if piece:
                                 times.append(time.perf_counter())
@@ -92,14 +97,11 @@ class ServelabUser(HttpUser):
             error = f"{type(e).__name__}: {e}"
         end = time.perf_counter()
         n_out = (usage or {}).get("completion_tokens") or len(times)
-        ttft = times[0] - start if times else None
-        record = {
-            "name": name, "status": status, "error": error, "start_s": start, "ttft_s": ttft, "e2e_s": end - start,
-            "itl_s": [b - a for a, b in zip(times, times[1:])], "num_prompt_tokens": (usage or {}).get("prompt_tokens", 0),
-            "num_output_tokens": n_out if not error else 0, "model": body.get("model"),
-            "tpot_s": (end - start - ttft) / (n_out - 1) if ttft is not None and n_out > 1 else None,
-            "token_times_abs": times,  # perf_counter is CLOCK_MONOTONIC: comparable across processes
-        }
+        record = make_record(
+            name, arrival=start, token_times=times, finished=end, num_output_tokens=n_out if not error else 0,
+            num_prompt_tokens=(usage or {}).get("prompt_tokens", 0), origin=ORIGIN, error=error,
+            model=body.get("model"), finish_reason=finish,
+        ).to_dict()
         # locust's own timer stops at the headers: report the end-to-end time instead
         events.request.fire(request_type="POST", name=f"{name} e2e", response_time=(end - start) * 1000,
                             response_length=n_out, exception=error, context={})

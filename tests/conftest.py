@@ -1,3 +1,6 @@
+import sys
+from pathlib import Path
+
 import pytest
 
 from tests.tiny import make_tiny_model
@@ -17,6 +20,21 @@ def tiny_llama(tiny_dirs):
 
 @pytest.fixture(scope="session")
 def default_gguf():
-    from core.default_model import default_model_path
+    from core.model.default_model import default_model_path
 
     return default_model_path()
+
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "servelab-plugin-example"
+
+
+@pytest.fixture(scope="session")
+def example_plugin():
+    """The example third-party package, imported from its source folder (not installed)."""
+    sys.path.insert(0, str(EXAMPLE))
+    try:
+        import servelab_plugin_example
+
+        yield servelab_plugin_example
+    finally:
+        sys.path.remove(str(EXAMPLE))

@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from core.bench import compare
-from core.cli import compose, expand_sweeps
+from core.bench.run import compare
+from core.config.compose import compose, expand_sweeps
 
 BASE = ["workload=fixed", "workload.num_requests=6", "workload.prompt_len=24", "workload.output_len=5",
         "model.max_model_len=64", "model.dtype=fp32", "run.warmup_requests=1", "run.progress=false"]
@@ -45,7 +45,7 @@ def test_run_writes_a_complete_report(base, tmp_path):
 
 
 def test_compare_puts_the_hf_peer_in_the_same_table(base, tmp_path):
-    compare(base, [["backend=torch"], ["backend=hf"]], ["servelab", "hf"], "cmp")
+    compare(base, [[], ["peer=hf"]], ["servelab", "hf"], "cmp")
     report = json.loads((tmp_path / "cmp" / "report.json").read_text())
     assert [r["label"] for r in report["runs"]] == ["servelab", "hf"]
     for run in report["runs"]:
@@ -56,14 +56,14 @@ def test_compare_puts_the_hf_peer_in_the_same_table(base, tmp_path):
 
 
 def test_multirun_sweep_expands_to_variants():
-    fixed, variants = expand_sweeps(["scheduler=static", "backend=torch,hf", "model.dtype=fp32,bf16"])
-    assert fixed == ["scheduler=static"]
-    assert variants == [["backend=torch", "model.dtype=fp32"], ["backend=torch", "model.dtype=bf16"],
-                        ["backend=hf", "model.dtype=fp32"], ["backend=hf", "model.dtype=bf16"]]
+    fixed, variants = expand_sweeps(["cache=paged", "scheduler=static,continuous", "model.dtype=fp32,bf16"])
+    assert fixed == ["cache=paged"]
+    assert variants == [["scheduler=static", "model.dtype=fp32"], ["scheduler=static", "model.dtype=bf16"],
+                        ["scheduler=continuous", "model.dtype=fp32"], ["scheduler=continuous", "model.dtype=bf16"]]
 
 
 def test_requests_larger_than_the_pool_are_counted_as_rejected(base, tmp_path):
-    from core.bench import run_one
+    from core.bench.run import run_one
 
     # fp32 tiny model: 512 B/token; 8 blocks of 4 tokens hold 32 tokens
     base = [o for o in base if not o.startswith("workload")]

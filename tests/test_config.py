@@ -2,9 +2,12 @@
 
 import pytest
 
-from core.cli import compose
-from core.config import EngineConfig, SchedulerConfig, engine_config
+from core.config import EngineConfig, SchedulerConfig
+from core.config.compose import compose
+from core.engine.components import engine_config
 from core.errors import ConfigError
+from plugins.cache.paged import PagedCacheConfig
+from plugins.schedulers.continuous import ContinuousSchedulerConfig
 
 
 def test_defaults_compose_to_typed_dataclasses():
@@ -15,12 +18,31 @@ def test_defaults_compose_to_typed_dataclasses():
     assert ec.model.path is None and ec.model.dtype == "bf16"
 
 
-def test_overrides_reach_the_dataclasses():
-    ec = engine_config(compose(["scheduler.max_num_seqs=3", "model.dtype=fp32", "+scheduler.my_knob=7",
-                                "scheduler.aging_steps=9"]))
+def test_overrides_reach_the_plugins_own_dataclasses():
+    ec = engine_config(compose(["scheduler.max_num_seqs=3", "model.dtype=fp32", "scheduler.aging_steps=9",
+                                "cache.block_size=32"]))
     assert ec.scheduler.max_num_seqs == 3 and ec.model.dtype == "fp32"
-    # plugin-specific keys arrive in `extra`
-    assert ec.scheduler.extra["my_knob"] == 7 and ec.scheduler.extra["aging_steps"] == 9
+    # each plugin's section is its own dataclass, with its own keys typed
+    assert isinstance(ec.scheduler, ContinuousSchedulerConfig) and ec.scheduler.aging_steps == 9
+    assert isinstance(ec.cache, PagedCacheConfig) and ec.cache.block_size == 32
+
+
+def test_an_unknown_plugin_key_is_rejected_with_the_valid_keys():
+    with pytest.raises(ConfigError) as e:
+        engine_config(compose(["+scheduler.agin_steps=9"]))
+    msg = str(e.value)
+    assert "scheduler 'continuous': unknown key 'agin_steps'" in msg and "aging_steps" in msg and "\n" not in msg
+    # a key of the continuous scheduler means nothing to the static one
+    with pytest.raises(ConfigError, match="scheduler 'static': unknown key 'aging_steps'; valid keys: name, "
+                                          "max_num_seqs, max_num_batched_tokens"):
+        engine_config(compose(["scheduler=static", "+scheduler.aging_steps=9"]))
+    with pytest.raises(ConfigError, match="cache.block_size|unknown key 'block_size'"):
+        engine_config(compose(["cache=contiguous", "+cache.block_size=8"]))
+
+
+def test_a_type_error_names_the_key():
+    with pytest.raises(ConfigError, match="aging_steps"):
+        engine_config(compose(["scheduler.aging_steps=many"]))
 
 
 def test_bad_values_are_config_errors():
@@ -31,5 +53,13 @@ def test_bad_values_are_config_errors():
 
 
 def test_unknown_group_value_names_the_choices():
-    with pytest.raises(ConfigError, match="unknown backend 'jax'; available: .*torch"):
-        compose(["backend=jax"])
+    with pytest.raises(ConfigError, match="unknown backend 'jax'; available: torch"):
+        engine_config(compose(["backend=jax"]))
+    with pytest.raises(ConfigError, match="'hf' is a benchmark peer, not a backend: use peer=hf"):
+        engine_config(compose(["backend=hf"]))
+
+
+def test_a_component_chosen_by_name_keeps_only_the_common_and_given_keys():
+    cfg = compose(["scheduler=sjf", "scheduler.max_wait_batches=2", "scheduler.max_num_seqs=3"])
+    assert dict(cfg.scheduler) == {"name": "sjf", "max_num_seqs": 3, "max_num_batched_tokens": 1024,
+                                   "max_wait_batches": 2}

@@ -3,12 +3,12 @@
 import pytest
 
 from core.config import CacheConfig
-from core.engine import Engine
+from core.engine.engine import Engine
+from core.engine.registry import hookimpl
+from core.engine.types import KVCacheSpec, SamplingParams, ScheduledSeq, Sequence
 from core.errors import ConfigError
-from core.plugins import hookimpl
-from core.types import KVCacheSpec, SamplingParams, ScheduledSeq, Sequence
 from plugins.cache.contiguous import ContiguousAllocator
-from tests.tiny import tiny_config
+from tests.tiny import step_inputs, tiny_config
 
 
 def _spec(max_len=64):
@@ -25,7 +25,7 @@ def test_contiguous_allocator_reserves_one_slot_per_sequence():
     assert alloc.stats().num_free_blocks == 0 and alloc.stats().usage == 1.0
     a.num_computed_tokens = 3
     assert not alloc.allocate(a, 62)  # past max_model_len
-    meta = alloc.attention_metadata([ScheduledSeq(a, 2)])
+    meta = step_inputs(alloc, [ScheduledSeq(a, 2)]).attn
     slot = meta.block_tables[0, 0].item()
     assert meta.slot_mapping.tolist() == [slot * 64 + 3, slot * 64 + 4]
     assert meta.context_lens.tolist() == [5]
@@ -51,8 +51,8 @@ class StepLog:
         self.steps.append(step_stats)
 
     @hookimpl
-    def servelab_request_finished(self, request_id, sequences, metrics):
-        self.finished.append((request_id, metrics))
+    def servelab_request_finished(self, request_id, sequences, records):
+        self.finished.append((request_id, records))
 
 
 def test_static_batch_runs_to_completion_before_the_next(tiny_llama):
@@ -74,7 +74,7 @@ def test_static_batch_runs_to_completion_before_the_next(tiny_llama):
     assert [s.num_waiting for s in log.steps[:6]] == [1] * 6
     assert [rid for rid, _ in log.finished] == [ids[0], ids[1], ids[2]]
     m = dict(log.finished)[ids[2]][0]
-    assert m["num_output_tokens"] == 2 and m["queue_s"] > 0 and m["ttft_s"] >= m["queue_s"]
+    assert m.num_output_tokens == 2 and m.queue_s > 0 and m.ttft_s >= m.queue_s
     assert log.steps[0].num_prefill_tokens == 3 and log.steps[1].num_decode_tokens == 2
     assert engine.allocator.stats().num_free_blocks == engine.allocator.num_blocks
 

@@ -6,9 +6,10 @@ import shutil
 import pytest
 import torch
 
-from core import default_model
 from core.errors import ModelNotFoundError
-from core.loader import gguf_to_hf_name, load_model
+from core.model import default_model
+from core.model.gguf import gguf_to_hf_name
+from core.model.loader import load_model
 from tests.tiny import make_tiny_model
 
 

@@ -4,10 +4,15 @@ import math
 
 import pytest
 
-from core.metrics import meets_slo, percentiles, request_metrics, summarize
-from core.model import ModelArgs
-from core.roofline import CostModel
-from core.types import SamplingParams, Sequence, SequenceStatus
+from core.bench.roofline import CostModel
+from core.bench.summary import meets_slo, percentiles, summarize
+from core.engine.records import make_record, sequence_record
+from core.engine.types import SamplingParams, Sequence, SequenceStatus
+from core.model.llama import ModelArgs
+
+
+def request_metrics(seq):
+    return sequence_record(seq).to_dict()
 
 
 def _seq(arrival, scheduled, token_times, prompt=10):
@@ -83,3 +88,16 @@ def test_cost_model_bounds():
     assert floor["time_s"] == max(floor["compute_s"], floor["memory_s"])
     assert floor["memory_s"] >= 5 * 1_000_000 / 1e9  # the longest request needs 5 weight reads
     assert math.isfinite(floor["flops"])
+
+
+def test_one_record_schema_for_engine_peers_and_streams():
+    # a stream may carry several tokens in one chunk: the true count comes from the usage block
+    r = make_record("x", arrival=10.0, token_times=[10.5, 10.7], num_output_tokens=5, finished=11.0,
+                    num_prompt_tokens=3, origin=9.0, error=None, model="m")
+    assert (r.arrival_s, r.finish_s) == (pytest.approx(1.0), pytest.approx(2.0))
+    assert r.token_times_s == pytest.approx([1.5, 1.7]) and r.itl_s == pytest.approx([0.2])
+    assert r.ttft_s == pytest.approx(0.5) and r.e2e_s == pytest.approx(1.0)
+    assert r.tpot_s == pytest.approx(0.5 / 4) and r.queue_s is None and r.prefill_s is None
+    # the engine's record of a sequence is the same schema, field for field
+    seq_rec = request_metrics(_seq(arrival=1.0, scheduled=1.5, token_times=[2.0, 2.1]))
+    assert set(seq_rec) == set(r.to_dict())

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from core.engine import Engine
-from core.types import SamplingParams
+from core.engine.engine import Engine
+from core.engine.types import SamplingParams
 from tests.tiny import tiny_config
 
 PROMPTS = [[5, 17, 99, 3, 42, 8, 61], [120, 7], [33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 200, 201]]

@@ -3,22 +3,21 @@
 import pytest
 import torch
 
-from core.config import CacheConfig, SchedulerConfig
-from core.engine import Engine
+from core.engine.engine import Engine
+from core.engine.types import DecoderOutput, KVCacheSpec, SamplingParams, ScheduledSeq, Sequence
 from core.errors import RequestError
-from core.types import KVCacheSpec, SamplingParams, ScheduledSeq, Sequence
-from plugins.cache.paged import PagedAllocator
-from plugins.schedulers.continuous import ContinuousScheduler
-from tests.tiny import tiny_config
+from plugins.cache.paged import PagedAllocator, PagedCacheConfig
+from plugins.schedulers.continuous import ContinuousScheduler, ContinuousSchedulerConfig
+from tests.tiny import step_inputs, tiny_config
 
 SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32, max_model_len=256)
 BYTES_PER_BLOCK = SPEC.bytes_per_token * 4  # block_size 4 below
 
 
-def paged(num_blocks, block_size=4, **extra):
-    cfg = CacheConfig(name="paged", block_size=block_size,
-                      memory_gb=num_blocks * SPEC.bytes_per_token * block_size / 1e9, extra=extra)
-    return PagedAllocator(cfg, SPEC, max_num_seqs=64)
+def paged(num_blocks, block_size=4, **kw):
+    cfg = PagedCacheConfig(name="paged", block_size=block_size,
+                           memory_gb=num_blocks * SPEC.bytes_per_token * block_size / 1e9, **kw)
+    return PagedAllocator(cfg, SPEC, max_num_seqs=1)
 
 
 def seq(tokens, max_tokens=8, **kw):
@@ -44,7 +43,7 @@ def test_pool_arithmetic_and_block_tables():
     assert a.allocate(s, 10)
     table = a.tables[s.seq_id]
     assert len(table) == 3 and a.stats().num_free_blocks == 7
-    meta = a.attention_metadata([ScheduledSeq(s, 10)])
+    meta = step_inputs(a, [ScheduledSeq(s, 10)]).attn
     expect = [table[p // 4] * 4 + p % 4 for p in range(10)]
     assert meta.slot_mapping.tolist() == expect and meta.context_lens.tolist() == [10]
     s.num_computed_tokens = 10
@@ -113,6 +112,7 @@ def test_fork_shares_blocks_and_copies_the_partial_block_on_write():
     parent.num_computed_tokens = 6
     child = seq(range(6))
     a.fork(parent, child)
+    child.num_computed_tokens = 6  # the scheduler's half of a fork
     assert a.tables[child.seq_id] == a.tables[parent.seq_id]
     assert all(a.blocks[b].ref_count == 2 for b in a.tables[parent.seq_id])
     child.output_token_ids.append(7)
@@ -132,7 +132,7 @@ def test_truncate_releases_tail_blocks():
     a.allocate(s, 14)
     s.num_computed_tokens = 14
     a.truncate(s, 5)
-    assert len(a.tables[s.seq_id]) == 2 and s.num_computed_tokens == 5
+    assert len(a.tables[s.seq_id]) == 2 and s.num_computed_tokens == 14  # the allocator writes no sequence
     assert a.stats().num_free_blocks == 8
     a.free(s)
     assert a.stats().num_free_blocks == 10
@@ -148,23 +148,14 @@ def test_admission_of_a_request_larger_than_the_pool():
 
 
 def sched(num_blocks=64, **kw):
-    extra = {k: kw.pop(k) for k in list(kw) if k not in ("max_num_seqs", "max_num_batched_tokens", "policy")}
-    cfg = SchedulerConfig(name="continuous", max_num_seqs=kw.get("max_num_seqs", 8),
-                          max_num_batched_tokens=kw.get("max_num_batched_tokens", 64),
-                          policy=kw.get("policy", "fcfs"), extra=extra)
+    cfg = ContinuousSchedulerConfig(name="continuous", **{"max_num_seqs": 8, "max_num_batched_tokens": 64, **kw})
     return ContinuousScheduler(cfg, paged(num_blocks))
 
 
 def run_step(s):
-    """Pretend the forward pass ran: advance computed tokens, sample token 1 where due."""
+    """Pretend the forward pass ran and sampled token 1 where due; the scheduler updates its sequences."""
     out = s.schedule()
-    for x in out.scheduled:
-        due = x.needs_sample
-        x.seq.num_computed_tokens += x.num_new_tokens
-        if due:
-            x.seq.output_token_ids.append(1)
-            if x.seq.num_output_tokens >= x.seq.params.max_tokens:
-                s.finish(x.seq)
+    s.update_from_output(out, DecoderOutput({x.seq.seq_id: [1] for x in out.scheduled if x.needs_sample}), now=0.0)
     return out
 
 
@@ -267,14 +258,14 @@ def baseline(tiny_dirs):
 
 def test_continuous_paged_equals_static_contiguous(tiny_dirs, baseline):
     e = engine_for(tiny_dirs["llama"], max_model_len=128, max_num_batched_tokens=32,
-                   cache=CacheConfig(name="paged", block_size=8, memory_gb=0.01))
+                   cache=PagedCacheConfig(name="paged", block_size=8, memory_gb=0.01))
     assert _greedy(e) == baseline
     _no_leaks(e)
 
 
 def test_a_pool_too_small_still_finishes_everything_identically(tiny_dirs, baseline):
     e = engine_for(tiny_dirs["llama"], max_model_len=128, max_num_batched_tokens=64,
-                   cache=CacheConfig(name="paged", block_size=4, memory_gb=24 * 4 * e_bytes(tiny_dirs) / 1e9))
+                   cache=PagedCacheConfig(name="paged", block_size=4, memory_gb=24 * 4 * e_bytes(tiny_dirs) / 1e9))
     assert e.allocator.num_blocks == 24
     log = []
     orig = e.scheduler.schedule
@@ -300,7 +291,7 @@ def test_start_up_prints_the_pool_arithmetic(tiny_dirs, caplog):
 
     with caplog.at_level(logging.INFO, logger="servelab"):
         engine_for(tiny_dirs["llama"], max_model_len=128,
-                   cache=CacheConfig(name="paged", block_size=4, memory_gb=100 * 4 * e_bytes(tiny_dirs) / 1e9))
+                   cache=PagedCacheConfig(name="paged", block_size=4, memory_gb=100 * 4 * e_bytes(tiny_dirs) / 1e9))
     text = caplog.text
     assert "512 B/token" in text and "100 blocks x 4 tokens = 400 tokens" in text
     assert "3 requests of max_model_len=128 fit" in text
@@ -308,7 +299,7 @@ def test_start_up_prints_the_pool_arithmetic(tiny_dirs, caplog):
 
 def test_request_larger_than_the_pool_is_rejected(tiny_dirs):
     e = engine_for(tiny_dirs["llama"], max_model_len=128,
-                   cache=CacheConfig(name="paged", block_size=4, memory_gb=8 * 4 * e_bytes(tiny_dirs) / 1e9))
+                   cache=PagedCacheConfig(name="paged", block_size=4, memory_gb=8 * 4 * e_bytes(tiny_dirs) / 1e9))
     with pytest.raises(RequestError, match="can never fit the KV cache"):
         e.add_request(list(range(20)), SamplingParams(max_tokens=20))
     assert not e.has_unfinished()
@@ -320,8 +311,8 @@ def test_prefix_caching_skips_cached_blocks_with_the_same_output(tiny_dirs):
     q1, q2 = system + [3, 4, 5], system + [7, 8]
     results = {}
     for enabled in (True, False):
-        e = engine_for(tiny_dirs["llama"], max_model_len=128, cache=CacheConfig(
-            name="paged", block_size=8, memory_gb=0.01, extra={"enable_prefix_caching": enabled}))
+        e = engine_for(tiny_dirs["llama"], max_model_len=128, cache=PagedCacheConfig(
+            name="paged", block_size=8, memory_gb=0.01, enable_prefix_caching=enabled))
         first = _greedy(e, [q1])
         rid = e.add_request(q2, SamplingParams(max_tokens=12, ignore_eos=True))
         seq = e.requests[rid].seqs[0]
@@ -336,8 +327,8 @@ def test_prefix_caching_skips_cached_blocks_with_the_same_output(tiny_dirs):
 
 
 def test_n_samples_share_the_prompt_prefill(tiny_dirs):
-    e = engine_for(tiny_dirs["llama"], max_model_len=128, cache=CacheConfig(
-        name="paged", block_size=8, memory_gb=0.01, extra={"enable_prefix_caching": False}))
+    e = engine_for(tiny_dirs["llama"], max_model_len=128, cache=PagedCacheConfig(
+        name="paged", block_size=8, memory_gb=0.01, enable_prefix_caching=False))
     prompt = list(range(50, 70))
     single = _greedy(e, [prompt])[0][0]
     prefill_tokens = []
@@ -359,7 +350,7 @@ class _StepRecorder:
     def __init__(self, sink):
         self.sink = sink
 
-    from core.plugins import hookimpl
+    from core.engine.registry import hookimpl
 
     @hookimpl
     def servelab_step_finished(self, step_stats):
@@ -368,7 +359,7 @@ class _StepRecorder:
 
 def test_abort_mid_prefill_returns_blocks(tiny_dirs):
     e = engine_for(tiny_dirs["llama"], max_model_len=128, max_num_batched_tokens=8,
-                   cache=CacheConfig(name="paged", block_size=4, memory_gb=0.01))
+                   cache=PagedCacheConfig(name="paged", block_size=4, memory_gb=0.01))
     rid = e.add_request(list(range(60)), SamplingParams(max_tokens=4))
     e.step()
     assert e.allocator.stats().num_free_blocks < e.allocator.num_blocks

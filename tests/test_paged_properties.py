@@ -10,9 +10,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from core.config import CacheConfig
-from core.types import KVCacheSpec, SamplingParams, ScheduledSeq, Sequence
-from plugins.cache.paged import PagedAllocator
+from core.engine.types import KVCacheSpec, SamplingParams, ScheduledSeq, Sequence
+from plugins.cache.paged import PagedAllocator, PagedCacheConfig
+from tests.tiny import step_inputs
 
 SPEC = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32, max_model_len=64)
 BLOCK = 4
@@ -21,8 +21,8 @@ BLOCK = 4
 class AllocatorMachine(RuleBasedStateMachine):
     @initialize(num_blocks=st.integers(4, 24), caching=st.booleans())
     def setup(self, num_blocks, caching):
-        cfg = CacheConfig(name="paged", block_size=BLOCK, memory_gb=num_blocks * SPEC.bytes_per_token * BLOCK / 1e9,
-                          extra={"enable_prefix_caching": caching})
+        cfg = PagedCacheConfig(name="paged", block_size=BLOCK, memory_gb=num_blocks * SPEC.bytes_per_token * BLOCK / 1e9,
+                               enable_prefix_caching=caching)
         self.alloc = PagedAllocator(cfg, SPEC, max_num_seqs=64)
         self.content: dict[int, dict[int, int]] = {}  # block -> offset -> token
         self.live: list[Sequence] = []
@@ -31,7 +31,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         """What the engine does after a successful allocate: copies, then the forward writes KV."""
         for src, dst in self.alloc.take_block_copies():
             self.content[dst] = dict(self.content.get(src, {}))
-        meta = self.alloc.attention_metadata([ScheduledSeq(seq, n)])
+        meta = step_inputs(self.alloc, [ScheduledSeq(seq, n)]).attn
         for pos, slot in zip(range(seq.num_computed_tokens, seq.num_computed_tokens + n), meta.slot_mapping.tolist()):
             self.content.setdefault(slot // BLOCK, {})[slot % BLOCK] = seq.token_ids[pos]
         seq.num_computed_tokens += n
@@ -77,6 +77,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         child = Sequence("r", parent.prompt_token_ids, SamplingParams(max_tokens=8))
         child.output_token_ids = list(parent.output_token_ids)
         self.alloc.fork(parent, child)
+        child.num_computed_tokens = parent.num_computed_tokens  # what the scheduler's fork does
         self.live.append(child)
 
     @precondition(lambda self: self.live)
@@ -94,6 +95,7 @@ class AllocatorMachine(RuleBasedStateMachine):
         if keep < seq.num_prompt_tokens:
             return  # speculative decoding only ever drops output tokens
         self.alloc.truncate(seq, keep)
+        seq.num_computed_tokens = keep  # the caller's half of a truncation
         del seq.output_token_ids[keep - seq.num_prompt_tokens:]
 
     @invariant()

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from core.config import CacheConfig, SchedulerConfig
+from core.config import CacheConfig
+from core.engine.registry import KINDS, get_registry
+from core.engine.types import SamplingParams, Sequence, SequenceStatus
 from core.errors import ConfigError
-from core.plugins import KINDS, get_registry
-from core.types import SamplingParams, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "servelab-plugin-example"
@@ -19,7 +19,8 @@ EXAMPLE = ROOT / "examples" / "servelab-plugin-example"
 
 def test_every_kind_has_its_in_repo_component():
     reg = get_registry()
-    expected = {"scheduler": "static", "cache": "contiguous", "quant": "none", "decoder": "sampling", "backend": "torch"}
+    expected = {"scheduler": "static", "cache": "contiguous", "quant": "none", "decoder": "sampling", "backend": "torch",
+                "attention": "torch", "peer": "hf"}
     assert set(KINDS) == set(expected)
     for kind, name in expected.items():
         comp = reg.get(kind, name)
@@ -42,27 +43,16 @@ def test_cli_lists_plugins():
     assert any(ln.split()[:2] == ["backend", "torch"] for ln in lines)
 
 
-@pytest.fixture(scope="module")
-def sjf_module():
-    sys.path.insert(0, str(EXAMPLE))
-    try:
-        import servelab_plugin_example
-
-        yield servelab_plugin_example
-    finally:
-        sys.path.remove(str(EXAMPLE))
-
-
-def test_sjf_picks_shortest_jobs_and_bounds_starvation(sjf_module):
+def test_sjf_picks_shortest_jobs_and_bounds_starvation(example_plugin):
     import torch
 
-    from core.types import KVCacheSpec
+    from core.engine.types import KVCacheSpec
     from plugins.cache.contiguous import ContiguousAllocator
 
     spec = KVCacheSpec(1, 1, 8, torch.float32, 256)
     alloc = ContiguousAllocator(CacheConfig(), spec, max_num_seqs=1)
-    cfg = SchedulerConfig(name="sjf", max_num_seqs=1, extra={"max_wait_batches": 2})
-    sched = sjf_module.ShortestJobFirstScheduler(cfg, alloc)
+    cfg = example_plugin.SJFConfig(name="sjf", max_num_seqs=1, max_wait_batches=2)
+    sched = example_plugin.ShortestJobFirstScheduler(cfg, alloc)
     long = Sequence("long", [1] * 100, SamplingParams(max_tokens=50))
     sched.add(long)
     picked = []
@@ -70,7 +60,7 @@ def test_sjf_picks_shortest_jobs_and_bounds_starvation(sjf_module):
         sched.add(Sequence(f"short{i}", [1] * 5, SamplingParams(max_tokens=5)))
         out = sched.schedule()
         picked.append(out.scheduled[0].seq.request_id)
-        sched.finish(out.scheduled[0].seq)
+        sched.finish(out.scheduled[0].seq, SequenceStatus.FINISHED_LENGTH)
     # shortest first, but the long job goes once it was passed over twice
     assert picked == ["short0", "short1", "long", "short2"]
 

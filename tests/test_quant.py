@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 from core.config import QuantConfig
-from core.engine import Engine
-from core.quantize import swap_linears
-from core.types import SamplingParams
+from core.engine.engine import Engine
+from core.engine.types import SamplingParams
+from core.model.quantize import swap_linears
 from kernels.quant import (
     Int4Linear,
     Int8Linear,
@@ -21,7 +21,8 @@ from kernels.quant import (
     quantize_int8,
 )
 from plugins.quant.gguf import q4_blocks
-from plugins.quant.int4 import awq_scale
+from plugins.quant.int4 import Int4QuantConfig, awq_scale
+from plugins.quant.int8 import Int8QuantConfig
 from tests.tiny import tiny_config
 
 g = torch.Generator().manual_seed(0)
@@ -101,16 +102,17 @@ def test_mixed_precision_keeps_matching_layers():
 def test_engine_serves_quantized_tiny_model(tiny_dirs, quant):
     cfg = tiny_config(tiny_dirs["llama"])
     cfg.model.dtype = "bf16"
-    cfg.quant = QuantConfig(name=quant, extra={"group_size": 32} if quant == "int4" else {})
+    cfg.quant = Int4QuantConfig(name=quant, group_size=32) if quant == "int4" else QuantConfig(name=quant)
     e = Engine(cfg)
-    linears = [n for n, m in e.backend.model.named_modules() if isinstance(m, (Int8Linear, Int4Linear))]
+    linears = [n for n, m in e.model.named_modules() if isinstance(m, (Int8Linear, Int4Linear))]
     assert len(linears) == 2 * 7 + 1 and "lm_head" in linears
     out = e.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=6, ignore_eos=True))[0].outputs[0]
     assert len(out.token_ids) == 6
 
 
 def test_int8_kv_cache_attention_close_to_full_precision():
-    from kernels.attention import paged_attention, write_kv
+    from kernels.attention import write_kv
+    from tests.tiny import attend
 
     gen = torch.Generator().manual_seed(3)
     kvh, bs, d, nb = 2, 4, 16, 16
@@ -129,17 +131,17 @@ def test_int8_kv_cache_attention_close_to_full_precision():
             write_kv(kk, vv, kc, vc, slots, *scales)
         q = torch.randn(sum(q_lens), 4, d, generator=torch.Generator().manual_seed(9))
         bt = torch.tensor([t + [0] * (4 - len(t)) for t in tables], dtype=torch.int32)
-        outs.append(paged_attention(q, kc, vc, bt, torch.tensor(ctx_lens), torch.tensor([0, 9, 10]), 0.25,
-                                    k_scale=scales[0] if scales else None, v_scale=scales[1] if scales else None))
+        outs.append(attend(q, kc, vc, bt, torch.tensor(ctx_lens), torch.tensor([0, 9, 10]), 0.25,
+                           k_scale=scales[0] if scales else None, v_scale=scales[1] if scales else None))
     torch.testing.assert_close(outs[1], outs[0], atol=0.03, rtol=0.03)
 
 
 def test_int8_kv_cache_doubles_capacity_and_serves(tiny_dirs):
-    from core.config import CacheConfig
+    from plugins.cache.paged import PagedCacheConfig
 
     def engine(dtype):
         cfg = tiny_config(tiny_dirs["llama"], scheduler="continuous")
-        cfg.cache = CacheConfig(name="paged", block_size=8, memory_gb=0.001, dtype=dtype)
+        cfg.cache = PagedCacheConfig(name="paged", block_size=8, memory_gb=0.001, dtype=dtype)
         return Engine(cfg)
 
     full, small = engine("auto"), engine("int8")
@@ -176,8 +178,8 @@ def test_tied_embedding_follows_a_quantized_lm_head(tiny_dirs):
     cfg = tiny_config(tiny_dirs["llama3"])  # tie_word_embeddings=True
     cfg.quant = QuantConfig(name="int8")
     e = Engine(cfg)
-    assert isinstance(e.backend.model.model.embed_tokens, QuantEmbedding)
-    cfg.quant = QuantConfig(name="int8", extra={"keep": ["lm_head"]})  # mixed precision keeps both
+    assert isinstance(e.model.model.embed_tokens, QuantEmbedding)
+    cfg.quant = Int8QuantConfig(name="int8", keep=["lm_head"])  # mixed precision keeps both
     e = Engine(cfg)
-    assert isinstance(e.backend.model.lm_head, nn.Linear)
-    assert isinstance(e.backend.model.model.embed_tokens, nn.Embedding)
+    assert isinstance(e.model.lm_head, nn.Linear)
+    assert isinstance(e.model.model.embed_tokens, nn.Embedding)

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from core.config import EngineConfig, ModelConfig, SchedulerConfig
-from core.engine import Engine
-from core.loader import unpermute_qk
-from core.types import SamplingParams
+from core.engine.engine import Engine
+from core.engine.types import SamplingParams
+from core.model.gguf import unpermute_qk
 
 pytestmark = pytest.mark.real_model
 
@@ -92,33 +92,35 @@ def test_cli_generate_says_paris():
 
 
 def test_continuous_paged_equals_static_contiguous_on_the_real_model(engine):
-    from core.config import CacheConfig
+    from plugins.cache.paged import PagedCacheConfig
 
     params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
     static = [o.outputs[0].token_ids for o in engine.generate(PROMPTS, params)]
     cfg = EngineConfig(model=ModelConfig(dtype="fp32", max_model_len=256),
                        scheduler=SchedulerConfig(name="continuous", max_num_seqs=8, max_num_batched_tokens=24),
-                       cache=CacheConfig(name="paged", block_size=4, memory_gb=0.05))
+                       cache=PagedCacheConfig(name="paged", block_size=4, memory_gb=0.05))
     paged = Engine(cfg, loaded=engine.loaded)
     assert [o.outputs[0].token_ids for o in paged.generate(PROMPTS, params)] == static
     assert paged.allocator.stats().num_free_blocks == paged.allocator.num_blocks
 
 
 def test_quantized_weight_bytes_and_gguf_blocks(engine):
-    from core.config import CacheConfig, QuantConfig
-    from core.roofline import weight_bytes
+    from core.bench.roofline import weight_bytes
+    from core.config import CacheConfig
+    from core.engine.registry import get_registry
     from kernels.quant import Int4Linear
 
-    def build(quant, **extra):
+    def build(quant, **keys):
         cfg = EngineConfig(model=ModelConfig(dtype="bf16", max_model_len=256),
-                           quant=QuantConfig(name=quant, extra=extra), cache=CacheConfig(name="paged", memory_gb=0.05))
+                           quant=get_registry().config("quant", {"name": quant, **keys}),
+                           cache=CacheConfig(name="paged", memory_gb=0.05))
         return Engine(cfg)
 
-    bf16 = weight_bytes(build("none").backend.model)
-    assert weight_bytes(build("int8").backend.model) <= 0.55 * bf16
-    assert weight_bytes(build("int4").backend.model) <= 0.35 * bf16
+    bf16 = weight_bytes(build("none").model)
+    assert weight_bytes(build("int8").model) <= 0.55 * bf16
+    assert weight_bytes(build("int4").model) <= 0.35 * bf16
     gguf = build("gguf", fast=False)
-    layer = gguf.backend.model.model.layers[3].self_attn.q_proj  # Q4_1 rows, un-permuted
+    layer = gguf.model.model.layers[3].self_attn.q_proj  # Q4_1 rows, un-permuted
     assert isinstance(layer, Int4Linear) and layer.group_size == 32
     float_weight = engine.loaded.model.model.layers[3].self_attn.q_proj.weight  # the loader's dequantized fp32
     torch.testing.assert_close(layer.dequantized_weight(), float_weight.float(), atol=1e-5, rtol=1e-5)
@@ -130,17 +132,17 @@ def test_quantization_quality_guards(engine):
     """Regression guards from the committed eval (reports/quant-eval): mean KL against the fp32
     baseline measured 0.005 (int8) and 0.002 (gguf blocks); the bounds leave a 4x margin."""
     from core.config import CacheConfig, QuantConfig
-    from core.quantize import forward_prompt
+    from core.model.quantize import forward_prompt
 
     prompts = [engine.tokenizer.encode(p) for p in PROMPTS[:3]]
     conts = [o.outputs[0].token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))]
-    base = [torch.log_softmax(forward_prompt(engine.backend.model, p + c)[len(p) - 1:-1].float(), -1)
+    base = [torch.log_softmax(forward_prompt(engine.model, p + c)[len(p) - 1:-1].float(), -1)
             for p, c in zip(prompts, conts)]
     for quant, bound in (("int8", 0.02), ("gguf", 0.01)):
         e = Engine(EngineConfig(model=ModelConfig(dtype="bf16", max_model_len=256), quant=QuantConfig(name=quant),
                                 cache=CacheConfig(name="paged", memory_gb=0.05)))
         kls = []
         for p, c, lp0 in zip(prompts, conts, base):
-            lp = torch.log_softmax(forward_prompt(e.backend.model, p + c)[len(p) - 1:-1].float(), -1)
+            lp = torch.log_softmax(forward_prompt(e.model, p + c)[len(p) - 1:-1].float(), -1)
             kls.append((lp0.exp() * (lp0 - lp)).sum(-1).mean().item())
         assert sum(kls) / len(kls) < bound, (quant, kls)

@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from core.engine import Engine
+from core.engine.engine import Engine
+from core.engine.types import SamplingParams
 from core.errors import RequestError
-from core.types import SamplingParams
 from plugins.decoders.sampling import apply_top_k_top_p
 from tests.tiny import tiny_config
 

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from core.errors import ConfigError
+from scenarios.traces import read_trace, write_trace
 from scenarios.workloads import (
     WorkloadConfig,
     arrival_times,
@@ -11,10 +12,8 @@ from scenarios.workloads import (
     ks_distance,
     load_table,
     materialize,
-    read_trace,
     sample_quantiles,
     table_cdf,
-    write_trace,
 )
 
 TABLES = ["azure_conv_2023", "azure_code_2023", "mooncake_conversation"]
@@ -88,7 +87,7 @@ def test_trace_round_trips(tmp_path, fmt):
 
 
 def test_mooncake_hash_ids_become_identical_blocks(tmp_path):
-    from core.tokenizer import Tokenizer
+    from core.model.tokenizer import Tokenizer
     from tests.tiny import write_byte_tokenizer
 
     write_byte_tokenizer(tmp_path)
@@ -106,7 +105,7 @@ def test_mooncake_hash_ids_become_identical_blocks(tmp_path):
 
 
 def test_materialize_gives_exact_lengths_and_shared_prefixes(tmp_path):
-    from core.tokenizer import Tokenizer
+    from core.model.tokenizer import Tokenizer
     from tests.tiny import write_byte_tokenizer
 
     write_byte_tokenizer(tmp_path)

@@ -86,3 +86,38 @@ def tiny_config(path: Path, **kw) -> EngineConfig:
     for k, v in kw.items():
         setattr(cfg, k, v)
     return cfg
+
+
+class _NoPlan:
+    """An attention backend stand-in for tests that only look at the runner's metadata."""
+
+    def plan(self, meta):
+        return None
+
+
+def step_inputs(allocator, scheduled):
+    """The model inputs the runner builds from an allocator's block tables for `scheduled`."""
+    from core.runner.model_runner import ModelRunner
+
+    runner = ModelRunner("cpu", _NoPlan())
+    return runner.prepare(scheduled, [allocator.block_table(s.seq) for s in scheduled], allocator.block_size)
+
+
+def attend(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, k_scale=None, v_scale=None,
+           backend=None):
+    """Attention of packed queries over a filled cache through an attention backend (the torch
+    reference by default), with the metadata the runner would build."""
+    from core.runner.metadata import AttentionMetadata
+    from plugins.attention.torch_ref import TorchAttention
+
+    backend = backend or TorchAttention(None)
+    starts, ctxs = query_start_loc.tolist(), context_lens.tolist()
+    qlens = [b - a for a, b in zip(starts, starts[1:])]
+    meta = AttentionMetadata(
+        slot_mapping=torch.empty(0, dtype=torch.int64), block_tables=block_tables, context_lens=context_lens,
+        query_lens=torch.tensor(qlens), query_start_loc=query_start_loc, block_size=k_cache.shape[2],
+        max_query_len=max(qlens), max_context_len=max(ctxs), query_lens_cpu=qlens, context_lens_cpu=ctxs,
+        query_start_loc_cpu=starts, block_tables_cpu=block_tables.tolist())
+    meta.plan = backend.plan(meta)
+    kv = (k_cache, v_cache) + ((k_scale, v_scale) if k_scale is not None else ())
+    return backend.attend(q, kv, meta, scale)

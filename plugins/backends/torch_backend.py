@@ -1,43 +1,34 @@
-"""Backend `torch`: the model forward in eager PyTorch on the CPU (or a CUDA device)."""
+"""Backend `torch`: the model forward in eager PyTorch, on the CPU or a CUDA device."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from core.config import BackendConfig
-from core.plugins import hookimpl
-from core.types import KVCacheSpec, ModelInput
-from kernels.attention import allocate_kv_layer
+from core.api import AttentionBackend, BackendConfig, KVCacheSpec, ModelInput, hookimpl
 
 
 class TorchBackend:
-    def __init__(self, config: BackendConfig, model: nn.Module, spec: KVCacheSpec) -> None:
-        if config.num_threads:
+    def __init__(self, config: BackendConfig, model: nn.Module, spec: KVCacheSpec, attention: AttentionBackend,
+                 device: torch.device) -> None:
+        if config.num_threads and device.type == "cpu":
             torch.set_num_threads(config.num_threads)
-        self.model = model
-        self.spec = spec
-        self.device = next(model.parameters()).device
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.model, self.spec, self.attention, self.device = model, spec, attention, device
+        self.kv_caches: list[tuple[torch.Tensor, ...]] = []
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
-        sp = self.spec
-        self.kv_caches = [allocate_kv_layer(num_blocks, sp.num_kv_heads, block_size, sp.head_dim, sp.dtype, self.device)
-                          for _ in range(sp.num_layers)]
+        self.kv_caches = self.attention.allocate_kv_cache(num_blocks, block_size, self.spec, self.device)
 
     @torch.inference_mode()
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        if not copies:
-            return
-        src = torch.tensor([s for s, _ in copies], device=self.device)
-        dst = torch.tensor([d for _, d in copies], device=self.device)
-        for layer in self.kv_caches:
-            for t in layer:
-                t[dst] = t[src]
+        if copies:
+            src = torch.tensor([s for s, _ in copies], device=self.device)
+            dst = torch.tensor([d for _, d in copies], device=self.device)
+            self.attention.copy_blocks(self.kv_caches, src, dst)
 
     @torch.inference_mode()
     def execute(self, batch: ModelInput) -> torch.Tensor:
-        hidden = self.model(batch.input_ids, batch.positions, batch.attn, self.kv_caches)
+        hidden = self.model(batch.input_ids, batch.positions, batch.attn, self.kv_caches, self.attention)
         return self.model.compute_logits(hidden[batch.logits_indices])
 
 

@@ -6,14 +6,12 @@ never reaches. Seen through the block-table lens it is one block of max_model_le
 
 from __future__ import annotations
 
-from core.config import CacheConfig
-from core.errors import ConfigError
-from core.kv import build_attention_metadata
-from core.plugins import hookimpl
-from core.types import AttentionMetadata, CacheStats, KVCacheSpec, ScheduledSeq, Sequence
+from core.api import CacheConfig, CacheStats, ConfigError, KVCacheSpec, Sequence, hookimpl
 
 
 class ContiguousAllocator:
+    capabilities = frozenset({"truncate", "describe"})
+
     def __init__(self, config: CacheConfig, spec: KVCacheSpec, max_num_seqs: int) -> None:
         self.spec = spec
         self.block_size = spec.max_model_len
@@ -25,7 +23,7 @@ class ContiguousAllocator:
                     f"cache.memory_gb={config.memory_gb} holds no sequence of max_model_len={spec.max_model_len} "
                     f"({bytes_per_slot / 1e9:.3f} GB each)"
                 )
-        else:
+        else:  # one slot for every sequence the scheduler may run at once
             self.num_blocks = max_num_seqs
         self._free = list(range(self.num_blocks - 1, -1, -1))
         self._slot: dict[int, int] = {}
@@ -45,24 +43,16 @@ class ContiguousAllocator:
             self._slot[seq.seq_id] = self._free.pop()
         return True
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
-        raise NotImplementedError("the contiguous allocator shares nothing: each sample prefills its own prompt")
+    def block_table(self, seq: Sequence) -> list[int]:
+        return [self._slot[seq.seq_id]]
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
-        # The slot keeps its full length; tokens past num_tokens are simply overwritten later.
-        seq.num_computed_tokens = min(seq.num_computed_tokens, num_tokens)
+        pass  # the slot keeps its full length; tokens past num_tokens are simply overwritten later
 
     def free(self, seq: Sequence) -> None:
         slot = self._slot.pop(seq.seq_id, None)
         if slot is not None:
             self._free.append(slot)
-
-    def take_block_copies(self) -> list[tuple[int, int]]:
-        return []
-
-    def attention_metadata(self, scheduled: list[ScheduledSeq]) -> AttentionMetadata:
-        tables = [[self._slot[s.seq.seq_id]] for s in scheduled]
-        return build_attention_metadata(scheduled, tables, self.block_size)
 
     def stats(self) -> CacheStats:
         return CacheStats(num_blocks=self.num_blocks, num_free_blocks=len(self._free), block_size=self.block_size)

@@ -11,15 +11,21 @@ and are evicted least-recently-used only when no plain free block is left.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-from core.config import CacheConfig
-from core.errors import ConfigError
-from core.kv import build_attention_metadata
-from core.plugins import hookimpl
-from core.types import AttentionMetadata, CacheStats, KVCacheSpec, ScheduledSeq, Sequence
+from core.api import CacheConfig, CacheStats, ConfigError, KVCacheSpec, Sequence, hookimpl
+
+log = logging.getLogger("servelab")
+
+
+@dataclass
+class PagedCacheConfig(CacheConfig):
+    block_size: int = 16
+    memory_utilization: float = 0.2  # like vLLM's gpu_memory_utilization: of the memory available at start
+    enable_prefix_caching: bool = True
 
 
 @dataclass
@@ -34,12 +40,6 @@ def chain_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
     return hash((parent, token_ids))
 
 
-def torch_itemsize(dtype) -> int:
-    import torch
-
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def available_memory_bytes() -> int:
     try:
         for line in open("/proc/meminfo"):
@@ -51,17 +51,21 @@ def available_memory_bytes() -> int:
 
 
 class PagedAllocator:
-    supports_fork = True
+    config_class = PagedCacheConfig
+    capabilities = frozenset({"fork", "copy_on_write", "truncate", "describe"})
 
-    def __init__(self, config: CacheConfig, spec: KVCacheSpec, max_num_seqs: int) -> None:
+    def __init__(self, config: PagedCacheConfig, spec: KVCacheSpec, max_num_seqs: int) -> None:
         self.spec = spec
         self.block_size = config.block_size
-        self.enable_prefix_caching = bool(config.extra.get("enable_prefix_caching", True))
+        if self.block_size <= 0:
+            raise ConfigError(f"cache.block_size must be positive, got {self.block_size}")
+        self.enable_prefix_caching = config.enable_prefix_caching
+        self.max_num_seqs = max_num_seqs
         bytes_per_block = spec.bytes_per_token * self.block_size
         if config.memory_gb is not None:
             budget, source = config.memory_gb * 1e9, f"cache.memory_gb={config.memory_gb}"
         else:
-            frac = float(config.extra.get("memory_utilization", 0.2))
+            frac = config.memory_utilization
             if not 0 < frac <= 0.95:
                 raise ConfigError(f"cache.memory_utilization must be in (0, 0.95], got {frac}")
             budget = frac * available_memory_bytes()
@@ -69,6 +73,9 @@ class PagedAllocator:
         self.num_blocks = int(budget // bytes_per_block)
         if self.num_blocks < 1:
             raise ConfigError(f"{source} holds no KV block of {self.block_size} tokens ({bytes_per_block} bytes)")
+        if self.num_blocks < max_num_seqs:  # every running sequence holds at least one block
+            log.warning("the KV pool (%d blocks) cannot hold scheduler.max_num_seqs=%d sequences at once; expect "
+                        "preemptions", self.num_blocks, max_num_seqs)
         self.budget_source = source
         self.blocks = [Block(i) for i in range(self.num_blocks)]
         self._free: deque[int] = deque(range(self.num_blocks))  # hold nothing worth keeping
@@ -95,7 +102,7 @@ class PagedAllocator:
 
     def describe(self) -> str:
         sp = self.spec
-        item = torch_itemsize(sp.dtype)
+        item = sp.dtype.itemsize
         per_head = f"({sp.head_dim} x 1 B + 2 B scale)" if item == 1 else f"{sp.head_dim} x {item} B"
         tokens = self.num_blocks * self.block_size
         return (f"paged KV: {sp.bytes_per_token} B/token (2 x {sp.num_layers} layers x {sp.num_kv_heads} kv heads x "
@@ -213,7 +220,6 @@ class PagedAllocator:
             self._hashes[seq.seq_id] = [self.blocks[b].hash for b in hits]
             self.prefix_queries += seq.num_prompt_tokens
             self.prefix_hits += seq.num_computed_tokens
-            seq.num_cached_tokens = seq.num_computed_tokens
         if cow:  # a shared, partly filled block: this sequence gets its own copy
             src = table[write_block]
             dst = self._take_block()
@@ -232,7 +238,6 @@ class PagedAllocator:
             self.blocks[b].ref_count += 1
         self.tables[child.seq_id] = table
         self._hashes[child.seq_id] = list(self._hashes.get(parent.seq_id, []))
-        child.num_computed_tokens = parent.num_computed_tokens
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
         """Keep the KV of the first `num_tokens` tokens only (rejected speculative tokens)."""
@@ -251,7 +256,6 @@ class PagedAllocator:
                 if self._cached.get(last.hash) == last.block_id:
                     del self._cached[last.hash]
                 last.hash, last.token_ids = None, ()
-        seq.num_computed_tokens = min(seq.num_computed_tokens, num_tokens)
 
     def free(self, seq: Sequence) -> None:
         table = self.tables.pop(seq.seq_id, None)
@@ -265,8 +269,8 @@ class PagedAllocator:
         copies, self._copies = self._copies, []
         return copies
 
-    def attention_metadata(self, scheduled: list[ScheduledSeq]) -> AttentionMetadata:
-        return build_attention_metadata(scheduled, [self.tables[s.seq.seq_id] for s in scheduled], self.block_size)
+    def block_table(self, seq: Sequence) -> list[int]:
+        return self.tables[seq.seq_id]
 
     def stats(self) -> CacheStats:
         return CacheStats(self.num_blocks, self.num_free_blocks, self.block_size, self.prefix_queries, self.prefix_hits)

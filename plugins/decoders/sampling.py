@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
-from core.config import DecoderConfig
-from core.plugins import hookimpl
-from core.types import ScheduledSeq, Sequence
+from core.api import DecoderConfig, DecoderOutput, ScheduledSeq, Sequence, hookimpl
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -33,47 +33,56 @@ class SamplingDecoder:
     def __init__(self, config: DecoderConfig, vocab_size: int, seed: int = 0) -> None:
         self.config = config
         self.vocab_size = vocab_size
-        self.generator = torch.Generator().manual_seed(seed)  # for requests without their own seed
+        self.seed = seed
+        self._shared: dict[str, torch.Generator] = {}  # per device, for requests without their own seed
+        self._own: weakref.WeakKeyDictionary[Sequence, torch.Generator] = weakref.WeakKeyDictionary()
 
     def propose(self, scheduled: list[ScheduledSeq]) -> None:
         return None
 
-    def _generator(self, seq: Sequence) -> torch.Generator:
+    def _generator(self, seq: Sequence, device: torch.device) -> torch.Generator:
         if seq.params.seed is None:
-            return self.generator
-        if seq.generator is None:
+            if str(device) not in self._shared:
+                self._shared[str(device)] = torch.Generator(device=device).manual_seed(self.seed)
+            return self._shared[str(device)]
+        if seq not in self._own:
             # Each of the n samples of a seeded request gets its own reproducible stream.
-            seq.generator = torch.Generator().manual_seed(seq.params.seed + seq.index)
-        return seq.generator
+            self._own[seq] = torch.Generator(device=device).manual_seed(seq.params.seed + seq.index)
+        return self._own[seq]
 
-    def accept(self, logits: torch.Tensor, scheduled: list[ScheduledSeq], proposals) -> dict[int, list[int]]:
-        """`logits` has one row per scheduled sequence that samples this step, in order."""
-        seqs = [s.seq for s in scheduled if s.needs_sample]
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], tokens: torch.Tensor) -> None:
+        rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        if not rows:
+            return
+        dev = logits.device
+        temps = torch.tensor([seqs[i].params.temperature for i in rows], device=dev)
+        top_k = torch.tensor([seqs[i].params.top_k for i in rows], device=dev)
+        top_p = torch.tensor([seqs[i].params.top_p for i in rows], device=dev)
+        probs = apply_top_k_top_p(logits[rows] / temps[:, None], top_k, top_p).softmax(dim=-1)
+        for j, i in enumerate(rows):
+            tokens[i] = torch.multinomial(probs[j], 1, generator=self._generator(seqs[i], dev))[0]
+
+    def accept(self, logits: torch.Tensor, scheduled: list[ScheduledSeq], proposals) -> DecoderOutput:
+        """`logits` has one row per scheduled sequence (each samples this step), in order."""
+        seqs = [s.seq for s in scheduled]
         if not seqs:
-            return {}
+            return DecoderOutput()
         logits = logits.float()
         tokens = logits.argmax(dim=-1)
-        sampled_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
-        if sampled_rows:
-            rows = torch.tensor(sampled_rows)
-            temps = torch.tensor([seqs[i].params.temperature for i in sampled_rows])
-            top_k = torch.tensor([seqs[i].params.top_k for i in sampled_rows])
-            top_p = torch.tensor([seqs[i].params.top_p for i in sampled_rows])
-            probs = apply_top_k_top_p(logits[rows] / temps[:, None], top_k, top_p).softmax(dim=-1)
-            for j, i in enumerate(sampled_rows):
-                tokens[i] = torch.multinomial(probs[j], 1, generator=self._generator(seqs[i]))[0]
-        chosen = tokens.tolist()
-        want_logprobs = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
-        if want_logprobs:
-            logprobs = logits[want_logprobs].log_softmax(dim=-1)
-            for j, i in enumerate(want_logprobs):
-                top = logprobs[j].topk(seqs[i].params.logprobs) if seqs[i].params.logprobs else None
-                seqs[i].output_logprobs.append({
-                    "token_id": chosen[i],
-                    "logprob": logprobs[j, chosen[i]].item(),
+        self._sample(logits, seqs, tokens)
+        chosen = tokens.tolist()  # the step's one host sync
+        out = DecoderOutput({s.seq_id: [t] for s, t in zip(seqs, chosen)})
+        want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        if want:
+            logprobs = logits[want].log_softmax(dim=-1)
+            for j, i in enumerate(want):
+                k = seqs[i].params.logprobs
+                top = logprobs[j].topk(k) if k else None
+                out.logprobs[seqs[i].seq_id] = [{
+                    "token_id": chosen[i], "logprob": logprobs[j, chosen[i]].item(),
                     "top": list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else [],
-                })
-        return {s.seq_id: [t] for s, t in zip(seqs, chosen)}
+                }]
+        return out
 
 
 @hookimpl

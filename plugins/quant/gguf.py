@@ -10,18 +10,31 @@ quantized to INT8 per channel from their dequantized values (and reported as suc
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import numpy as np
 import torch
 from torch import nn
 
-from core.config import QuantConfig
-from core.errors import ConfigError
-from core.loader import gguf_to_hf_name, unpermute_qk
-from core.plugins import hookimpl
-from core.quantize import quantize_tied_embedding, swap_linears
+from core.api import (
+    PERMUTED_ARCHS,
+    ConfigError,
+    QuantConfig,
+    gguf_to_hf_name,
+    hookimpl,
+    quantize_tied_embedding,
+    swap_linears,
+    unpermute_qk,
+)
 from kernels.quant import Int4Linear, Int8Linear
 
 BLOCK = 32
+
+
+@dataclass
+class GGUFQuantConfig(QuantConfig):
+    keep: list = field(default_factory=list)
+    fast: bool = True
 
 
 def q4_blocks(raw: np.ndarray, n: int, k: int, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -42,12 +55,13 @@ def q4_blocks(raw: np.ndarray, n: int, k: int, kind: str) -> tuple[torch.Tensor,
 
 
 class GGUFQuantizer:
-    def __init__(self, config: QuantConfig, source: str | None = None, **context) -> None:
+    config_class = GGUFQuantConfig
+
+    def __init__(self, config: GGUFQuantConfig, source: str | None = None, **context) -> None:
         if not source or not str(source).endswith(".gguf"):
             raise ConfigError("quant=gguf needs a GGUF model (the default model or model.path=FILE.gguf)")
         self.source = source
-        self.keep = list(config.extra.get("keep", []))
-        self.fast = bool(config.extra.get("fast", True))
+        self.keep, self.fast = list(config.keep), config.fast
         self.kinds: dict[str, str] = {}  # layer -> how it is served
 
     def quantize(self, model: nn.Module) -> nn.Module:
@@ -56,7 +70,7 @@ class GGUFQuantizer:
         reader = GGUFReader(self.source)
         tensors = {gguf_to_hf_name(t.name): t for t in reader.tensors}
         args = model.args
-        permuted = args.architecture in ("llama", "mistral", "smollm")
+        permuted = args.architecture in PERMUTED_ARCHS
 
         def make(name: str, lin: nn.Linear) -> nn.Module:
             t = tensors.get(f"{name}.weight")

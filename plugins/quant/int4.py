@@ -10,16 +10,33 @@ calibration data.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 from torch import nn
 
-from core.config import QuantConfig
-from core.errors import ConfigError
-from core.plugins import hookimpl
-from core.quantize import capture_linear_inputs, quantize_tied_embedding, swap_linears
+from core.api import (
+    ConfigError,
+    QuantConfig,
+    calibration_prompts,
+    capture_linear_inputs,
+    hookimpl,
+    quantize_tied_embedding,
+    swap_linears,
+)
 from kernels.quant import Int4Linear, dequantize_int4, quantize_int4
 
 GROUP_SIZES = (32, 64, 128)
+
+
+@dataclass
+class Int4QuantConfig(QuantConfig):
+    group_size: int = 64  # 32 | 64 | 128
+    awq: bool = False  # activation-aware per-input-channel scales from calibration prompts
+    calibration_prompts: int = 16
+    calibration_len: int = 256
+    keep: list = field(default_factory=list)
+    fast: bool = True
 
 
 def awq_scale(w: torch.Tensor, x: torch.Tensor, group_size: int, grid: int = 11) -> tuple[torch.Tensor, float, float]:
@@ -47,29 +64,21 @@ def awq_scale(w: torch.Tensor, x: torch.Tensor, group_size: int, grid: int = 11)
 
 
 class Int4Quantizer:
-    def __init__(self, config: QuantConfig, tokenizer=None, **context) -> None:
-        x = config.extra
-        self.group_size = int(x.get("group_size", 64))
-        if self.group_size not in GROUP_SIZES:
-            raise ConfigError(f"quant.group_size must be one of {', '.join(map(str, GROUP_SIZES))}, got {self.group_size}")
-        self.awq = bool(x.get("awq", False))
-        self.calibration_prompts = int(x.get("calibration_prompts", 16))
-        self.calibration_len = int(x.get("calibration_len", 256))
-        self.keep = list(x.get("keep", []))
-        self.fast = bool(x.get("fast", True))
+    config_class = Int4QuantConfig
+
+    def __init__(self, config: Int4QuantConfig, tokenizer=None, **context) -> None:
+        if config.group_size not in GROUP_SIZES:
+            raise ConfigError(f"quant.group_size must be one of {', '.join(map(str, GROUP_SIZES))}, "
+                              f"got {config.group_size}")
+        self.config, self.group_size, self.awq = config, config.group_size, config.awq
+        self.keep, self.fast = list(config.keep), config.fast
         self.tokenizer = tokenizer
         self.report: dict[str, dict] = {}  # per layer: AWQ error vs round-to-nearest
 
     def _calibration(self) -> list[list[int]]:
-        from scenarios.text import PromptSource
-
         if self.tokenizer is None:
             raise ConfigError("quant=int4 with awq needs the model's tokenizer for calibration prompts")
-        n = self.calibration_prompts
-        prose = PromptSource(self.tokenizer, "prose", seed=1234)
-        code = PromptSource(self.tokenizer, "code", seed=1234)
-        return [prose.prompt(self.calibration_len) for _ in range(n - n // 4)] + \
-               [code.prompt(self.calibration_len) for _ in range(n // 4)]
+        return calibration_prompts(self.tokenizer, self.config.calibration_prompts, self.config.calibration_len)
 
     def quantize(self, model: nn.Module) -> nn.Module:
         acts = capture_linear_inputs(model, self._calibration()) if self.awq else {}

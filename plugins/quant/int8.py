@@ -4,18 +4,25 @@ precision, as the seed advises). A tied embedding follows its lm_head into INT8 
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from torch import nn
 
-from core.config import QuantConfig
-from core.plugins import hookimpl
-from core.quantize import quantize_tied_embedding, swap_linears
+from core.api import QuantConfig, hookimpl, quantize_tied_embedding, swap_linears
 from kernels.quant import Int8Linear
 
 
+@dataclass
+class Int8QuantConfig(QuantConfig):
+    keep: list = field(default_factory=list)  # globs of layers kept in the model dtype (mixed precision)
+    fast: bool = True  # false: the dequantize-and-matmul reference path
+
+
 class Int8Quantizer:
-    def __init__(self, config: QuantConfig, **context) -> None:
-        self.keep = list(config.extra.get("keep", []))
-        self.fast = bool(config.extra.get("fast", True))
+    config_class = Int8QuantConfig
+
+    def __init__(self, config: Int8QuantConfig, **context) -> None:
+        self.keep, self.fast = list(config.keep), config.fast
         self.swapped: list[str] = []
 
     def quantize(self, model: nn.Module) -> nn.Module:

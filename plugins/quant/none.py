@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from core.config import QuantConfig
-from core.plugins import hookimpl
+from core.api import QuantConfig, hookimpl
 
 
 class NoQuantizer:

@@ -17,27 +17,39 @@ nothing starves.
 
 from __future__ import annotations
 
-from core.config import SchedulerConfig
-from core.errors import ConfigError
-from core.interfaces import CacheAllocator
-from core.plugins import hookimpl
-from core.scheduler_base import QueueScheduler
-from core.types import ScheduledSeq, SchedulerOutput, Sequence, SequenceStatus
+from dataclasses import dataclass
+
+from core.api import (
+    ConfigError,
+    QueueScheduler,
+    ScheduledSeq,
+    SchedulerConfig,
+    SchedulerOutput,
+    Sequence,
+    SequenceStatus,
+    hookimpl,
+)
 
 POLICIES = ("fcfs", "priority")
 
 
+@dataclass
+class ContinuousSchedulerConfig(SchedulerConfig):
+    policy: str = "fcfs"  # fcfs | priority (lower value first)
+    enable_chunked_prefill: bool = True
+    max_num_partial_prefills: int = 4  # prompts mid-prefill at once
+    max_long_partial_prefills: int = 2  # of which long (over the threshold)
+    long_prefill_token_threshold: int = 512  # a longer prompt is prefilled in chunks of at most this
+    aging_steps: int = 50  # priority: every N steps waiting improves effective priority by 1 (0: off)
+
+
 class ContinuousScheduler(QueueScheduler):
-    def __init__(self, config: SchedulerConfig, allocator: CacheAllocator) -> None:
+    config_class = ContinuousSchedulerConfig
+
+    def __init__(self, config: ContinuousSchedulerConfig, allocator) -> None:
         if config.policy not in POLICIES:
             raise ConfigError(f"scheduler.policy must be one of {', '.join(POLICIES)}, got '{config.policy}'")
         super().__init__(config, allocator)
-        x = config.extra
-        self.enable_chunked_prefill = bool(x.get("enable_chunked_prefill", True))
-        self.max_num_partial_prefills = int(x.get("max_num_partial_prefills", 4))
-        self.max_long_partial_prefills = int(x.get("max_long_partial_prefills", 2))
-        self.long_prefill_token_threshold = int(x.get("long_prefill_token_threshold", 512))
-        self.aging_steps = int(x.get("aging_steps", 50))  # 0 disables aging
         self.step = 0
         self._enqueued_at: dict[int, int] = {}  # seq id -> step it (re)joined the queue
 
@@ -49,7 +61,8 @@ class ContinuousScheduler(QueueScheduler):
         if self.config.policy == "fcfs":
             return 0
         waited = self.step - self._enqueued_at.get(seq.seq_id, self.step)
-        return seq.priority - (waited // self.aging_steps if self.aging_steps > 0 else 0)
+        aging = self.config.aging_steps
+        return seq.priority - (waited // aging if aging > 0 else 0)
 
     def _order_key(self, seq: Sequence):
         return (self.effective_priority(seq), seq.arrival_time, seq.seq_id)
@@ -59,93 +72,79 @@ class ContinuousScheduler(QueueScheduler):
         return max(self.running, key=lambda s: (s.priority if self.config.policy == "priority" else 0,
                                                  s.arrival_time, s.seq_id))
 
-    # ---- scheduling -----------------------------------------------------------------------
-
     def _is_long(self, seq: Sequence) -> bool:
-        return seq.num_prompt_tokens > self.long_prefill_token_threshold
+        return seq.num_prompt_tokens > self.config.long_prefill_token_threshold
 
-    def _chunk(self, seq: Sequence, budget: int) -> int:
-        remaining = seq.num_tokens - seq.num_computed_tokens
-        if remaining > 1 and self.enable_chunked_prefill and self._is_long(seq):
-            remaining = min(remaining, self.long_prefill_token_threshold)
-        return min(remaining, budget) if self.enable_chunked_prefill else (remaining if remaining <= budget else 0)
-
-    def _preempt(self, seq: Sequence, preempted: list[Sequence]) -> None:
-        self.running.remove(seq)
-        self.allocator.free(seq)
-        seq.num_computed_tokens = 0
-        seq.status = SequenceStatus.PREEMPTED
-        self.add(seq)
-        preempted.append(seq)
+    def _chunk(self, seq: Sequence, remaining: int, budget: int) -> int:
+        """How many of the `remaining` tokens to compute this step (0: not this step)."""
+        if not self.config.enable_chunked_prefill:
+            return remaining if remaining <= budget else 0
+        if remaining > 1 and self._is_long(seq):
+            remaining = min(remaining, self.config.long_prefill_token_threshold)
+        return min(remaining, budget)
 
     def schedule(self) -> SchedulerOutput:
         self.step += 1
-        budget = self.config.max_num_batched_tokens
-        scheduled: list[ScheduledSeq] = []
-        preempted: list[Sequence] = []
+        out = SchedulerOutput()
         if self.config.policy == "priority":
             self.running.sort(key=self._order_key)
-        # 1. running sequences: decodes and continuing prefill chunks
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted:  # a step that had to preempt admits nothing: the pool is full
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """Decodes and continuing prefill chunks; preempts when the pool is full. Returns the budget left."""
         for seq in list(self.running):
             if seq not in self.running or budget <= 0:
                 continue
-            num_new = self._chunk(seq, budget)
+            num_new = self._chunk(seq, seq.num_tokens - seq.num_computed_tokens, budget)
             if num_new <= 0:
                 continue
             while not self.allocator.allocate(seq, num_new):
                 victim = self._preempt_victim()
-                for i, s in enumerate(scheduled):  # it may already hold a slot in this step
+                for i, s in enumerate(out.scheduled):  # it may already hold a slot in this step
                     if s.seq is victim:
-                        budget += scheduled.pop(i).num_new_tokens
+                        budget += out.scheduled.pop(i).num_new_tokens
                         break
-                self._preempt(victim, preempted)
+                self.preempt(victim)
+                out.preempted.append(victim)
                 if victim is seq:
                     break
             else:
-                scheduled.append(ScheduledSeq(seq, num_new))
+                out.scheduled.append(ScheduledSeq(seq, num_new))
                 budget -= num_new
-        # 2. waiting sequences, unless this step already had to preempt (the pool is full)
-        if not preempted:
-            self.waiting.sort(key=self._order_key)
-            partial = [s for s in self.running if s.in_prefill]
-            num_partial = len(partial)
-            num_long = sum(self._is_long(s) for s in partial)
-            admitted = []
-            for seq in self.waiting:
-                if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
-                    break
-                fresh = seq.num_computed_tokens == 0  # not a forked sample that already holds KV
-                if fresh:
-                    seq.num_computed_tokens = self.allocator.match_prefix(seq)
-                prefill = seq.num_tokens - seq.num_computed_tokens > 1
-                if prefill and num_partial >= self.max_num_partial_prefills:
-                    if fresh:
-                        seq.num_computed_tokens = 0
-                    break
-                if prefill and self._is_long(seq) and num_long >= self.max_long_partial_prefills:
-                    if fresh:
-                        seq.num_computed_tokens = 0
-                    continue  # a long prompt waits for the long slot; shorter ones go ahead
-                num_new = self._chunk(seq, budget)
-                if num_new <= 0 or not self.allocator.allocate(seq, num_new):
-                    if fresh:
-                        seq.num_computed_tokens = 0
-                    break
-                seq.status = SequenceStatus.RUNNING
-                self.running.append(seq)
-                admitted.append(seq)
-                scheduled.append(ScheduledSeq(seq, num_new))
-                budget -= num_new
-                if seq.num_computed_tokens + num_new < seq.num_tokens:  # still mid-prefill after this chunk
-                    num_partial += 1
-                    num_long += self._is_long(seq)
-            if admitted:
-                ids = {s.seq_id for s in admitted}
-                self.waiting = [s for s in self.waiting if s.seq_id not in ids]
-        return SchedulerOutput(scheduled, preempted)
+        return budget
 
-    def finish(self, seq: Sequence) -> None:
-        super().finish(seq)
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        self.waiting.sort(key=self._order_key)
+        partial = [s for s in self.running if s.in_prefill]
+        num_partial, num_long = len(partial), sum(self._is_long(s) for s in partial)
+        admitted = set()
+        for seq in self.waiting:
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
+            cached = self.allocator.match_prefix(seq)
+            prefill = seq.num_tokens - cached > 1
+            if prefill and num_partial >= self.config.max_num_partial_prefills:
+                break
+            if prefill and self._is_long(seq) and num_long >= self.config.max_long_partial_prefills:
+                continue  # a long prompt waits for the long slot; shorter ones go ahead
+            num_new = self.allocate_fresh(seq, self._chunk(seq, seq.num_tokens - cached, budget), cached)
+            if num_new == 0:
+                break
+            self.running.append(seq)
+            admitted.add(seq.seq_id)
+            out.scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+            if seq.num_computed_tokens + num_new < seq.num_tokens:  # still mid-prefill after this chunk
+                num_partial += 1
+                num_long += self._is_long(seq)
+        if admitted:
+            self.waiting = [s for s in self.waiting if s.seq_id not in admitted]
+
+    def finish(self, seq: Sequence, status: SequenceStatus, stop_reason=None, now=None) -> None:
+        super().finish(seq, status, stop_reason, now)
         self._enqueued_at.pop(seq.seq_id, None)
 
 

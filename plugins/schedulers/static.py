@@ -7,9 +7,7 @@ that finishes early leaves its seat empty until the whole batch is done.
 
 from __future__ import annotations
 
-from core.plugins import hookimpl
-from core.scheduler_base import QueueScheduler
-from core.types import ScheduledSeq, SchedulerOutput, Sequence, SequenceStatus
+from core.api import QueueScheduler, ScheduledSeq, SchedulerOutput, Sequence, SequenceStatus, hookimpl
 
 
 class StaticScheduler(QueueScheduler):
@@ -20,12 +18,12 @@ class StaticScheduler(QueueScheduler):
         budget = self.config.max_num_batched_tokens
         while self.waiting and len(batch) < self.config.max_num_seqs:
             seq = self.waiting[0]
-            prompt = seq.num_tokens - seq.num_computed_tokens
+            prompt = seq.num_tokens
             if batch and prompt > budget:
                 break
             # Reserve room for the whole sequence now, so the batch can always run to the end.
             longest = min(seq.num_prompt_tokens + seq.params.max_tokens, self.allocator.spec.max_model_len)
-            if not self.allocator.allocate(seq, longest - seq.num_computed_tokens):
+            if not self.allocator.allocate(seq, longest):
                 break
             self.waiting.pop(0)
             seq.status = SequenceStatus.RUNNING

@@ -1,0 +1,71 @@
+"""The public surface for plugin authors: import from here, never from core's subpackages.
+
+Everything a scheduler, cache allocator, quantizer, decoder, backend, attention backend or peer
+needs is re-exported below; servelab's internal layout may move, this module's names stay.
+In-repo plugins use nothing else of core's, exactly like the example package in
+examples/servelab-plugin-example. docs/plugins.md is the guide.
+"""
+
+from core.config.schema import (
+    AttentionConfig,
+    BackendConfig,
+    CacheConfig,
+    DecoderConfig,
+    PeerConfig,
+    QuantConfig,
+    SchedulerConfig,
+)
+from core.engine.interfaces import (
+    AttentionBackend,
+    Backend,
+    CacheAllocator,
+    Decoder,
+    Peer,
+    Quantizer,
+    Scheduler,
+    SupportsCopyOnWrite,
+    SupportsDescribe,
+    SupportsFork,
+    SupportsTruncate,
+    has_capability,
+)
+from core.engine.records import RequestRecord, make_record
+from core.engine.registry import hookimpl
+from core.engine.scheduler_base import QueueScheduler, stop_status
+from core.engine.types import (
+    CacheStats,
+    DecoderOutput,
+    KVCacheSpec,
+    RequestTimings,
+    SamplingParams,
+    ScheduledSeq,
+    SchedulerOutput,
+    Sequence,
+    SequenceStatus,
+    StepStats,
+)
+from core.errors import ConfigError, ModelNotFoundError, RequestError, ServelabError
+from core.model.calibration import calibration_prompts
+from core.model.gguf import PERMUTED_ARCHS, gguf_to_hf_name, unpermute_qk
+from core.model.loader import DTYPES
+from core.model.quantize import capture_linear_inputs, quantize_tied_embedding, swap_linears
+from core.runner.metadata import AttentionMetadata, ModelInput
+
+__all__ = [
+    # hooks
+    "hookimpl",
+    # configs (subclass one as your factory's `config_class` to add keys)
+    "AttentionConfig", "BackendConfig", "CacheConfig", "DecoderConfig", "PeerConfig", "QuantConfig", "SchedulerConfig",
+    # contracts and capabilities
+    "AttentionBackend", "Backend", "CacheAllocator", "Decoder", "Peer", "Quantizer", "Scheduler",
+    "SupportsCopyOnWrite", "SupportsDescribe", "SupportsFork", "SupportsTruncate", "has_capability",
+    # data
+    "AttentionMetadata", "CacheStats", "DecoderOutput", "KVCacheSpec", "ModelInput", "RequestRecord",
+    "RequestTimings", "SamplingParams", "ScheduledSeq", "SchedulerOutput", "Sequence", "SequenceStatus", "StepStats",
+    # base classes and helpers
+    "QueueScheduler", "stop_status", "make_record", "DTYPES",
+    "calibration_prompts", "capture_linear_inputs", "quantize_tied_embedding", "swap_linears",
+    "PERMUTED_ARCHS", "gguf_to_hf_name", "unpermute_qk",
+    # errors
+    "ConfigError", "ModelNotFoundError", "RequestError", "ServelabError",
+]

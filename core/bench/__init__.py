@@ -1,0 +1,1 @@
+"""The bench: offline runs, peers, load tests, evals, the roofline, reports and plots."""

@@ -1,0 +1,156 @@
+"""`python -m core run` and `compare`: drive a workload through the engine (or a peer) and report."""
+
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import dataclass, field
+
+from omegaconf import DictConfig, OmegaConf
+
+from core.bench import report
+from core.bench.driver import drive_engine, progress_bar, warm_up, workload_config
+from core.bench.roofline import CostModel, machine_rates, weight_bytes
+from core.bench.summary import summarize
+from core.config.compose import compose
+from core.config.schema import EngineConfig, PeerConfig, run_config
+from core.engine.components import engine_config, resolve_model_path
+from core.engine.engine import Engine
+from core.engine.interfaces import has_capability
+from core.engine.registry import get_registry
+from core.engine.types import KVCacheSpec
+from core.model.loader import DTYPES, load_tokenizer, read_model_args
+from scenarios.workloads import RequestSpec, WorkloadConfig, build_workload, materialize
+
+
+@dataclass
+class Measured:
+    """What one run produced, engine or peer alike."""
+
+    records: list[dict]
+    steps: list[dict]
+    duration_s: float
+    args: object  # the model's ModelArgs
+    weight_bytes: int
+    kv_bytes_per_token: int
+    kv_cache: str
+    workload: object
+    rejected: list[dict] = field(default_factory=list)
+    is_peer: bool = False
+
+
+def peer_config(cfg: DictConfig) -> PeerConfig | None:
+    node = cfg.get("peer")
+    return None if node is None else get_registry().config("peer", node)
+
+
+def default_run_name(ec: EngineConfig, wc: WorkloadConfig, peer: PeerConfig | None) -> str:
+    system = f"peer_{peer.name}" if peer else f"{ec.scheduler.name}-{ec.cache.name}-{ec.quant.name}-{ec.backend.name}"
+    return f"{wc.name}-{system}-{ec.model.dtype}"
+
+
+def measure_engine(ec: EngineConfig, wc: WorkloadConfig, warmup: int, progress: bool) -> Measured:
+    engine = Engine(ec)
+    workload = build_workload(wc, ec.model.max_model_len)
+    materialize(workload, engine.tokenizer)
+    warm_up(engine, warmup)
+    base = engine.allocator.stats()
+    records, steps, duration, rejected = drive_engine(engine, workload, progress)
+    for s in steps:  # counters are cumulative: count this run only
+        s["prefix_queries"] -= base.prefix_queries
+        s["prefix_hits"] -= base.prefix_hits
+    kv = engine.allocator.describe() if has_capability(engine.allocator, "describe") else ""
+    return Measured(records, steps, duration, engine.loaded.args, weight_bytes(engine.model),
+                    engine.kv_spec.bytes_per_token, kv, workload, rejected)
+
+
+def measure_peer(ec: EngineConfig, wc: WorkloadConfig, pc: PeerConfig, warmup: int, progress: bool) -> Measured:
+    path = resolve_model_path(ec)
+    args = read_model_args(path)  # the geometry, for the roofline
+    tokenizer = load_tokenizer(path)
+    workload = build_workload(wc, ec.model.max_model_len)
+    materialize(workload, tokenizer)
+    peer = get_registry().create("peer", pc)
+    peer.load(path, ec.model.dtype)
+    pad = tokenizer.eos_token_id or 0
+    if warmup:
+        peer.run([RequestSpec(i, 0.0, 16, 4, prompt_token_ids=[pad] * 16) for i in range(warmup)],
+                 ec.scheduler.max_num_seqs, pad)
+    bar = progress_bar(len(workload.requests), wc.name, progress)
+    t0 = time.perf_counter()
+    records, steps = peer.run(workload.requests, ec.scheduler.max_num_seqs, pad, progress=bar)
+    duration = time.perf_counter() - t0
+    bar.close()
+    kv = KVCacheSpec(args.num_layers, args.num_kv_heads, args.head_dim, DTYPES[ec.model.dtype], ec.model.max_model_len)
+    return Measured(records, steps, duration, args, peer.weight_bytes(), kv.bytes_per_token, peer.describe(),
+                    workload, is_peer=True)
+
+
+def roofline(m: Measured, summary: dict, dtype: str, rates: dict) -> dict:
+    peak = rates["matmul_gflops"]["bf16" if dtype == "bf16" else "fp32"]
+    cost = CostModel(m.args, m.weight_bytes, m.kv_bytes_per_token, peak, rates["mem_bandwidth_gbs"])
+    floor = cost.workload_floor([r["num_prompt_tokens"] for r in m.records], [r["num_output_tokens"] for r in m.records])
+    return {
+        "peak_gflops": peak, "mem_bandwidth_gbs": rates["mem_bandwidth_gbs"], "weight_bytes": m.weight_bytes,
+        "workload_floor": floor, "schedule_floor": None if m.is_peer else cost.schedule_floor(m.steps),
+        "fraction_of_roofline": floor["time_s"] / m.duration_s if m.duration_s > 0 else 0.0,
+        "roofline_total_tok_s": (summary["prompt_tokens"] + summary["output_tokens"]) / floor["time_s"]
+        if floor["time_s"] > 0 else None,
+    }
+
+
+def run_one(cfg: DictConfig, label: str | None = None) -> dict:
+    """Build, warm up, run one configuration on its workload; returns the report dict."""
+    ec, rc, wc, pc = engine_config(cfg), run_config(cfg), workload_config(cfg), peer_config(cfg)
+    rates = machine_rates(rc.remeasure_machine)
+    m = measure_peer(ec, wc, pc, rc.warmup_requests, rc.progress) if pc else \
+        measure_engine(ec, wc, rc.warmup_requests, rc.progress)
+    gc.collect()
+    summary = summarize(m.records, m.duration_s, m.steps, rc.slo_ttft_s, rc.slo_tpot_s)
+    summary["rejected"] = len(m.rejected)
+    args = m.args
+    return {
+        "label": label or default_run_name(ec, wc, pc),
+        "config": OmegaConf.to_container(cfg, resolve=True),
+        "model": {"path": resolve_model_path(ec), "architecture": args.architecture, "dtype": ec.model.dtype,
+                  "layers": args.num_layers, "hidden": args.hidden_size},
+        "kv_cache": m.kv_cache,
+        "machine": {k: rates[k] for k in ("cpu", "cores", "torch_threads", "torch", "platform", "measured_at")},
+        "workload": m.workload.describe(),
+        "summary": summary,
+        "roofline": roofline(m, summary, ec.model.dtype, rates),
+        "requests": sorted(m.records, key=lambda r: int(r["request_id"])),
+        "rejected": m.rejected,
+        "steps": m.steps,
+        "report_version": report.VERSION,
+    }
+
+
+def run_benchmark(cfg: DictConfig) -> int:
+    rc = run_config(cfg)
+    result = run_one(cfg)
+    out_dir = report.write_run(result, rc.name or result["label"], rc)
+    print(report.summary_table([result]))
+    print(f"report: {out_dir / 'report.md'}")
+    return 0
+
+
+def compare(base_overrides: list[str], variants: list[list[str]], labels: list[str] | None, name: str | None) -> int:
+    """Run each variant (base overrides + its own) on the same workload; one comparison report."""
+    results = []
+    for i, var in enumerate(variants):
+        cfg = compose(base_overrides + var)
+        label = labels[i] if labels and i < len(labels) else (" ".join(var) or "base")
+        print(f"[{i + 1}/{len(variants)}] {label}")
+        results.append(run_one(cfg, label))
+        gc.collect()
+    rc = run_config(compose(base_overrides + variants[0]))
+    name = name or "compare-" + "-vs-".join(_slug(r["label"]) for r in results)
+    out_dir = report.write_comparison(results, name, rc)
+    print(report.summary_table(results))
+    print(f"report: {out_dir / 'report.md'}")
+    return 0
+
+
+def _slug(s: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in s).strip("_")[:40]

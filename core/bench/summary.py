@@ -1,0 +1,65 @@
+"""Aggregates of a run's per-request records (see core.engine.records): throughput, latency
+percentiles, goodput against the SLOs, KV usage and prefix-cache hits."""
+
+from __future__ import annotations
+
+from core.engine.records import LATENCY_KEYS
+
+PERCENTILES = (50, 90, 95, 99)
+
+
+def percentiles(values: list[float]) -> dict:
+    """mean and p50/p90/p95/p99 (linear interpolation) of the defined values."""
+    import numpy as np
+
+    v = np.asarray([x for x in values if x is not None], dtype=float)
+    if v.size == 0:
+        return {"n": 0}
+    out = {"n": int(v.size), "mean": float(v.mean())}
+    out.update({f"p{p}": float(np.percentile(v, p)) for p in PERCENTILES})
+    out["max"] = float(v.max())
+    return out
+
+
+def meets_slo(record: dict, slo_ttft_s: float, slo_tpot_s: float) -> bool:
+    """A request is good if its TTFT and TPOT are within the SLOs (TPOT undefined: only TTFT counts)."""
+    if record.get("ttft_s") is None or record["ttft_s"] > slo_ttft_s:
+        return False
+    return record.get("tpot_s") is None or record["tpot_s"] <= slo_tpot_s
+
+
+def summarize(records: list[dict], duration_s: float, steps: list[dict] | None = None,
+              slo_ttft_s: float = 1.0, slo_tpot_s: float = 0.05) -> dict:
+    """Aggregates of one run: throughput, latency percentiles, KV usage, prefix hits, goodput."""
+    steps = steps or []
+    n_out = sum(r["num_output_tokens"] for r in records)
+    n_in = sum(r["num_prompt_tokens"] for r in records)
+    good = sum(meets_slo(r, slo_ttft_s, slo_tpot_s) for r in records)
+    summary = {
+        "num_requests": len(records),
+        "duration_s": duration_s,
+        "prompt_tokens": n_in,
+        "output_tokens": n_out,
+        "output_tok_s": n_out / duration_s if duration_s > 0 else 0.0,
+        "total_tok_s": (n_in + n_out) / duration_s if duration_s > 0 else 0.0,
+        "req_s": len(records) / duration_s if duration_s > 0 else 0.0,
+        "goodput_req_s": good / duration_s if duration_s > 0 else 0.0,
+        "slo": {"ttft_s": slo_ttft_s, "tpot_s": slo_tpot_s, "attained": good / len(records) if records else 0.0},
+        "preemptions": sum(r.get("num_preemptions", 0) for r in records),
+    }
+    for key in LATENCY_KEYS:
+        values = [x for r in records for x in r.get(key) or []] if key == "itl_s" else [r.get(key) for r in records]
+        summary[key] = percentiles(values)
+    usage = [s["kv_usage"] for s in steps if s.get("kv_usage") is not None]
+    if usage:
+        summary["kv_usage"] = {"peak": max(usage), "mean": sum(usage) / len(usage)}
+    if steps:
+        queries = steps[-1].get("prefix_queries", 0)
+        summary["prefix_cache"] = {
+            "queries": queries, "hits": steps[-1].get("prefix_hits", 0),
+            "hit_rate": steps[-1].get("prefix_hits", 0) / queries if queries else 0.0,
+        }
+        summary["num_steps"] = len(steps)
+    cached = sum(r.get("num_cached_tokens", 0) for r in records)
+    summary["prefix_hit_tokens"] = cached
+    return summary

@@ -1,0 +1,137 @@
+"""Typed configuration: the Hydra tree becomes these dataclasses before any code sees it.
+
+Each component section (scheduler, cache, ...) has a base dataclass with the keys every
+implementation understands; a plugin that needs more declares a subclass as its factory's
+`config_class`, and `core.engine.components.engine_config` builds that instead. A key that is in
+neither is an error naming the plugin's valid keys: a typo never passes silently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from core.errors import ConfigError
+
+# Component kinds, in the order the engine builds them; each is a Hydra group and a hook.
+ENGINE_KINDS = ("scheduler", "cache", "quant", "decoder", "backend", "attention")
+COMPONENT_KINDS = ENGINE_KINDS + ("peer",)
+DTYPE_NAMES = ("fp32", "bf16")
+
+
+@dataclass
+class ModelConfig:
+    name: str = "smollm2-135m"
+    path: str | None = None  # HF directory or GGUF file; None: the embedded default model
+    dtype: str = "bf16"  # bf16 | fp32
+    max_model_len: int = 2048  # prompt + output tokens per sequence
+    device: str = "auto"  # auto (cuda when available, else cpu) | cpu | cuda | cuda:N
+
+
+@dataclass
+class SchedulerConfig:
+    name: str = "static"  # the dataclass default is the baseline; conf/ picks continuous
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 4096
+
+
+@dataclass
+class CacheConfig:
+    name: str = "contiguous"
+    dtype: str = "auto"  # auto (the model dtype) | int8
+    memory_gb: float | None = None  # KV pool budget; None: the allocator's own default
+
+
+@dataclass
+class QuantConfig:
+    name: str = "none"
+
+
+@dataclass
+class DecoderConfig:
+    name: str = "sampling"
+
+
+@dataclass
+class BackendConfig:
+    name: str = "torch"
+    num_threads: int | None = None  # torch intra-op threads on the CPU; None: torch's default
+
+
+@dataclass
+class AttentionConfig:
+    name: str = "torch"
+
+
+@dataclass
+class PeerConfig:
+    """A benchmark peer run in place of the engine by `run`/`compare` (null: the engine itself)."""
+
+    name: str = "hf"
+    num_threads: int | None = None
+
+
+BASE_CONFIGS: dict[str, type] = {
+    "scheduler": SchedulerConfig, "cache": CacheConfig, "quant": QuantConfig, "decoder": DecoderConfig,
+    "backend": BackendConfig, "attention": AttentionConfig, "peer": PeerConfig,
+}
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    quant: QuantConfig = field(default_factory=QuantConfig)
+    decoder: DecoderConfig = field(default_factory=DecoderConfig)
+    backend: BackendConfig = field(default_factory=BackendConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    seed: int = 0
+
+
+@dataclass
+class RunConfig:
+    """How `run` and `compare` measure and report."""
+
+    name: str | None = None  # reports/<name>/; None: built from the workload and components
+    report_dir: str = "reports"
+    warmup_requests: int = 2
+    slo_ttft_s: float = 1.0  # the seed's healthy references for chat
+    slo_tpot_s: float = 0.05
+    remeasure_machine: bool = False
+    plots: bool = True
+    progress: bool = True
+
+
+def to_dict(node: Any) -> dict:
+    if node is None:
+        return {}
+    if isinstance(node, DictConfig):
+        return OmegaConf.to_container(node, resolve=True)
+    if dataclasses.is_dataclass(node):
+        return dataclasses.asdict(node)
+    return dict(node)
+
+
+def section(cls: type, node: Any, where: str):
+    """A config section as the dataclass `cls`, type-checked by OmegaConf; unknown keys are an error
+    that lists the valid ones."""
+    data = to_dict(node)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(data) - set(names))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}; "
+                          f"valid keys: {', '.join(names)}")
+    try:
+        typed = OmegaConf.merge(OmegaConf.structured(cls), data)
+    except Exception as e:  # OmegaConf's validation errors carry the key and the value
+        key = getattr(e, "full_key", None) or getattr(e, "key", None)
+        raise ConfigError(f"{where}.{key}: {str(e).splitlines()[0]}" if key else f"{where}: {e}") from None
+    return OmegaConf.to_object(typed)
+
+
+def run_config(cfg: DictConfig | dict) -> RunConfig:
+    return section(RunConfig, cfg.get("run"), "run")

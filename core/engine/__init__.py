@@ -1,0 +1,1 @@
+"""The engine: types, contracts, plugin registry, the step loop, the output processor."""

@@ -1,0 +1,122 @@
+"""From a configuration to the engine's parts: typed plugin configs, the model on its device,
+and every component built by its plugin and checked against its contract."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from core.config.schema import DTYPE_NAMES, ENGINE_KINDS, EngineConfig, ModelConfig, section
+from core.engine.interfaces import has_capability
+from core.engine.registry import Registry, get_registry
+from core.engine.types import KVCacheSpec
+from core.errors import ConfigError
+from core.model.loader import DTYPES, LoadedModel, load_model
+from core.runner.model_runner import ModelRunner
+
+log = logging.getLogger("servelab")
+
+
+def engine_config(cfg: Any, registry: Registry | None = None) -> EngineConfig:
+    """The engine's part of a composed config, every component section as its plugin's dataclass."""
+    registry = registry or get_registry()
+    ec = EngineConfig(model=section(ModelConfig, cfg.get("model"), "model"), seed=int(cfg.get("seed", 0) or 0),
+                      **{kind: component_config(registry, kind, cfg.get(kind)) for kind in ENGINE_KINDS})
+    validate(ec)
+    return ec
+
+
+def component_config(registry: Registry, kind: str, node: Any):
+    if kind == "backend" and node is not None:
+        name = node.get("name") if hasattr(node, "get") else getattr(node, "name", None)
+        if name in registry.components["peer"] and name not in registry.components["backend"]:
+            raise ConfigError(f"'{name}' is a benchmark peer, not a backend: use peer={name} with run or compare")
+    return registry.config(kind, node)
+
+
+def typed(config: EngineConfig, registry: Registry) -> EngineConfig:
+    """The same config with each component section as its plugin's dataclass (for configs built
+    in code from the base classes)."""
+    return dataclasses.replace(config, **{k: component_config(registry, k, getattr(config, k)) for k in ENGINE_KINDS})
+
+
+def validate(ec: EngineConfig) -> None:
+    if ec.cache.dtype not in ("auto", "int8"):
+        raise ConfigError(f"cache.dtype must be auto or int8, got '{ec.cache.dtype}'")
+    if ec.model.dtype not in DTYPE_NAMES:
+        raise ConfigError(f"model.dtype must be one of {', '.join(DTYPE_NAMES)}, got '{ec.model.dtype}'")
+    for name, value in (("model.max_model_len", ec.model.max_model_len),
+                        ("scheduler.max_num_seqs", ec.scheduler.max_num_seqs),
+                        ("scheduler.max_num_batched_tokens", ec.scheduler.max_num_batched_tokens)):
+        if value <= 0:
+            raise ConfigError(f"{name} must be positive, got {value}")
+    resolve_device(ec.model.device)
+
+
+def resolve_device(name: str) -> torch.device:
+    """`auto`: the first CUDA device when there is one, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"model.device must be auto, cpu, cuda or cuda:N, got '{name}'") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"model.device={name}, but this machine has no CUDA device (use auto or cpu)")
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"model.device must be auto, cpu, cuda or cuda:N, got '{name}'")
+    return device
+
+
+def resolve_model_path(config: EngineConfig) -> str:
+    if config.model.path:
+        return config.model.path
+    if config.model.name == "smollm2-135m":
+        from core.model.default_model import default_model_path
+
+        return str(default_model_path())
+    raise ConfigError(f"model '{config.model.name}' has no path; set model.path=DIR_OR_GGUF")
+
+
+@dataclass
+class EngineParts:
+    config: EngineConfig
+    loaded: LoadedModel
+    model: torch.nn.Module  # after quantization: what the backend runs
+    device: torch.device
+    kv_spec: KVCacheSpec
+    quantizer: Any
+    allocator: Any
+    attention: Any
+    backend: Any
+    scheduler: Any
+    decoder: Any
+    runner: ModelRunner
+
+
+def build_parts(config: EngineConfig, registry: Registry, loaded: LoadedModel | None = None) -> EngineParts:
+    config = typed(config, registry)  # every name and key checked before the (slow) model load
+    mc = config.model
+    device = resolve_device(mc.device)
+    torch.manual_seed(config.seed)
+    if loaded is None:
+        loaded = load_model(resolve_model_path(config), mc.dtype, mc.max_model_len, device)
+    quantizer = registry.create("quant", config.quant, tokenizer=loaded.tokenizer, source=loaded.source)
+    model = quantizer.quantize(loaded.model)
+    args = loaded.args
+    kv_dtype = torch.int8 if config.cache.dtype == "int8" else DTYPES[mc.dtype]
+    kv_spec = KVCacheSpec(args.num_layers, args.num_kv_heads, args.head_dim, kv_dtype, mc.max_model_len)
+    allocator = registry.create("cache", config.cache, spec=kv_spec, max_num_seqs=config.scheduler.max_num_seqs)
+    if has_capability(allocator, "describe"):
+        log.info(allocator.describe())
+    attention = registry.create("attention", config.attention)
+    backend = registry.create("backend", config.backend, model=model, spec=kv_spec, attention=attention, device=device)
+    backend.init_kv_cache(allocator.num_blocks, allocator.block_size)
+    scheduler = registry.create("scheduler", config.scheduler, allocator=allocator)
+    decoder = registry.create("decoder", config.decoder, vocab_size=args.vocab_size, seed=config.seed)
+    return EngineParts(config, loaded, model, device, kv_spec, quantizer, allocator, attention, backend, scheduler,
+                       decoder, ModelRunner(device, attention))

@@ -1,0 +1,97 @@
+"""The output processor: token ids to text, stop strings, and per-step deltas for streaming.
+
+It owns everything textual about a request (vLLM V1's OutputProcessor); the engine core never
+sees text. When a stop string appears it reports the sequence, and the engine ends it through
+the scheduler, so sequence state keeps its one writer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from core.engine.types import CompletionOutput, RequestOutput, Sequence, SequenceStatus
+
+
+@dataclass
+class Detokenized:
+    """Incremental detokenization state of one sequence (vLLM's prefix/read offsets)."""
+
+    text: str = ""
+    prefix_offset: int = 0
+    read_offset: int = 0
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[Sequence]
+    detok: dict[int, Detokenized] = field(default_factory=dict)  # seq id -> state
+    deltas: dict[int, tuple[str, list[int]]] = field(default_factory=dict)  # sample index -> (text, ids)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.requests: dict[str, RequestState] = {}
+
+    def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], seqs: list[Sequence]) -> None:
+        n = len(prompt_token_ids)
+        state = RequestState(request_id, prompt, list(prompt_token_ids), seqs)
+        for seq in seqs:
+            state.detok[seq.seq_id] = Detokenized(prefix_offset=max(n - 5, 0), read_offset=n)
+        self.requests[request_id] = state
+
+    def process(self, new_tokens: list[tuple[Sequence, list[int]]]) -> tuple[list[RequestState], list[tuple]]:
+        """Detokenize this step's tokens. Returns the requests that changed and the stop-string
+        hits as (sequence, stop string) pairs, for the engine to end."""
+        touched: dict[str, RequestState] = {}
+        stops = []
+        for seq, tokens in new_tokens:
+            state = self.requests.get(seq.request_id)
+            if state is None:
+                continue
+            hit = self._append_text(state, seq, tokens)
+            if hit is not None:
+                stops.append((seq, hit))
+            touched[state.request_id] = state
+        return list(touched.values()), stops
+
+    def _append_text(self, state: RequestState, seq: Sequence, tokens: list[int]) -> str | None:
+        d = state.detok[seq.seq_id]
+        all_ids = seq.token_ids
+        final = seq.is_finished
+        text, d.prefix_offset, d.read_offset = self.tokenizer.detokenize_incrementally(
+            all_ids, d.prefix_offset, d.read_offset, final=final)
+        old_len = len(d.text)
+        full = d.text + text
+        hit = None
+        stops = seq.params.stop
+        if text and stops and seq.status in (SequenceStatus.RUNNING, SequenceStatus.FINISHED_LENGTH):
+            # A stop string may straddle the old and new text; the output is cut where it starts.
+            window_start = max(0, old_len - max(len(s) for s in stops) + 1)
+            hits = [(i, s) for s in stops if (i := full.find(s, window_start)) >= 0]
+            if hits:
+                cut, hit = min(hits)
+                full = full[:cut]
+        d.text = full
+        prev_text, prev_ids = state.deltas.get(seq.index, ("", []))
+        state.deltas[seq.index] = (prev_text + full[old_len:], prev_ids + list(tokens))
+        return hit
+
+    def output(self, state: RequestState) -> RequestOutput:
+        """The request's outputs so far; its deltas are handed over and cleared."""
+        outs = [CompletionOutput(s.index, state.detok[s.seq_id].text, list(s.output_token_ids),
+                                 s.status.value if s.is_finished else None, list(s.output_logprobs))
+                for s in state.seqs]
+        out = RequestOutput(state.request_id, state.prompt_token_ids, outs, state.finished, dict(state.deltas))
+        state.deltas.clear()
+        return out
+
+    def pop(self, request_id: str) -> RequestState | None:
+        return self.requests.pop(request_id, None)

@@ -1,0 +1,1 @@
+"""The model runner: block ids to the model's inputs, on the model's device."""

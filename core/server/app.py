@@ -1,0 +1,156 @@
+"""`python -m core serve`: an OpenAI-compatible HTTP server over the engine, with guard rails.
+
+Endpoints: /v1/completions, /v1/chat/completions (streaming or not), /v1/models, /health,
+/ready (200 only after a warm-up request ran), /metrics (Prometheus). Guard rails, each in
+conf/config.yaml under `server:` and each counted in metrics: an input-length limit (400), a
+bounded waiting queue (429 + Retry-After), a per-request timeout (504), abort on client
+disconnect, API keys (401), a request-body limit (413), loopback by default, and the degradation
+switch that lowers the input limit while the engine is overloaded, with hysteresis. Requests
+carry a pool (header `X-Servelab-Pool`, e.g. chat or agent) that maps to a scheduling priority.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from prometheus_client import generate_latest
+from pydantic import BaseModel, ValidationError
+
+from core.config.compose import compose
+from core.config.schema import section
+from core.engine.async_engine import AsyncEngine
+from core.engine.components import engine_config
+from core.engine.engine import Engine
+from core.engine.types import SamplingParams
+from core.server import protocol
+from core.server.config import ServerConfig
+from core.server.guards import OpenAIError
+from core.server.handler import Server
+from core.server.protocol import ChatCompletionRequest, CompletionRequest
+
+log = logging.getLogger("servelab")
+
+
+def error(e: OpenAIError) -> JSONResponse:
+    return JSONResponse(protocol.error_body(e.message, e.kind, e.param, e.status), status_code=e.status,
+                        headers=e.headers)
+
+
+async def warm_up(e: AsyncEngine) -> None:
+    """The seed's cold-start lesson: a real request runs before /ready says yes."""
+    rid, q = await e.add(prompt_token_ids=e.engine.tokenizer.encode("Hello"),
+                         params=SamplingParams(max_tokens=2, ignore_eos=True))
+    while True:
+        _, out = await q.get()
+        if out is None or out.finished:
+            return
+
+
+async def parse(server: Server, request: Request, model: type[BaseModel]):
+    """The body, size-checked, parsed once into its typed model (an OpenAI 400 if it does not fit)."""
+    server.guards.check_body_size(int(request.headers.get("content-length") or 0))
+    raw = await request.body()
+    server.guards.check_body_size(len(raw))
+    try:
+        return model.model_validate_json(raw or b"{}")
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(x) for x in first["loc"])
+        if first["type"] == "json_invalid":  # bad JSON, or bytes that are not UTF-8
+            raise OpenAIError(400, f"invalid JSON: {first['msg']}") from None
+        if first["type"] == "model_type":
+            raise OpenAIError(400, "the request body must be a JSON object") from None
+        raise OpenAIError(400, f"{where}: {first['msg']}", param=where or None) from None
+
+
+def openapi_body(model: type[BaseModel]) -> dict:
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}},
+            "responses": {"400": {"description": "bad request (OpenAI error JSON)"},
+                          "401": {"description": "missing or wrong API key"},
+                          "413": {"description": "body too large"},
+                          "429": {"description": "queue full; see Retry-After"}}}
+
+
+def add_generation_routes(app: FastAPI, server: Server) -> None:
+    async def serve_call(request: Request, model: type[BaseModel]):
+        try:
+            req = await parse(server, request, model)
+            server.observe_load()
+            call = await server.start_call(req, request.headers)
+            if req.stream:
+                return StreamingResponse(server.stream(call, req.include_usage), media_type="text/event-stream")
+            return JSONResponse(await server.complete(call, request.is_disconnected))
+        except OpenAIError as e:
+            return error(e)
+
+    @app.post("/v1/completions", openapi_extra=openapi_body(CompletionRequest))
+    async def completions(request: Request):
+        return await serve_call(request, CompletionRequest)
+
+    @app.post("/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionRequest))
+    async def chat_completions(request: Request):
+        return await serve_call(request, ChatCompletionRequest)
+
+
+def add_info_routes(app: FastAPI, server: Server) -> None:
+    @app.get("/v1/models")
+    async def models(request: Request):
+        try:
+            server.guards.check_auth(request.headers)
+        except OpenAIError as e:
+            return error(e)
+        names = [(server.model_name, server.engine)]
+        if server.fallback is not None:
+            names.append((f"{server.model_name}:fallback", server.fallback.engine))
+        return {"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "servelab",
+                                            "max_model_len": e.max_model_len} for n, e in names]}
+
+    @app.get("/health")
+    async def health():
+        if server.async_engine.error is not None:
+            return JSONResponse({"status": "error", "error": str(server.async_engine.error)}, status_code=500)
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready():
+        return JSONResponse({"ready": server.ready}, status_code=200 if server.ready else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        server.observe_load()  # so the switch can turn off when idle
+        return PlainTextResponse(generate_latest(server.metrics.registry).decode(),
+                                 media_type="text/plain; version=0.0.4")
+
+
+def build_app(server: Server) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        for e in server.engines:
+            e.start(asyncio.get_running_loop())
+            if server.cfg.warmup:
+                await warm_up(e)
+        server.ready = True
+        yield
+        for e in server.engines:
+            e.stop()
+
+    app = FastAPI(title="servelab", version="0.1.0", lifespan=lifespan)
+    add_generation_routes(app, server)
+    add_info_routes(app, server)
+    return app
+
+
+def serve(cfg, overrides: list[str]) -> int:
+    import uvicorn
+
+    sc = section(ServerConfig, cfg.get("server"), "server")
+    engine = Engine(engine_config(cfg))
+    fallback = Engine(engine_config(compose(list(overrides) + list(sc.fallback)))) if sc.fallback else None
+    server = Server(engine, sc, fallback)
+    log.info("serving %s on http://%s:%d", server.model_name, sc.host, sc.port)
+    uvicorn.run(build_app(server), host=sc.host, port=sc.port, log_level="warning")
+    return 0

@@ -1,0 +1,1 @@
+"""Attention backends: the KV layout and the attention arithmetic over block tables."""

@@ -1,0 +1,93 @@
+"""Attention backend `torch`: the reference kernels of `kernels.attention`, in eager PyTorch.
+
+Once per step `plan` splits the batch into single-query rows (decode, done together over packed
+blocks) and multi-query rows (prefill chunks) and packs the decode blocks, so the layers reuse
+those index tensors instead of rebuilding them thirty times.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from core.api import AttentionConfig, AttentionMetadata, KVCacheSpec, hookimpl
+from kernels.attention import allocate_kv_layer, decode_attention, pack_decode_blocks, prefill_attention, write_kv
+
+
+@dataclass
+class TorchAttentionPlan:
+    all_decode: bool
+    decode_rows: torch.Tensor | None = None  # packed rows of the single-query sequences
+    decode_tables: torch.Tensor | None = None
+    decode_ctx: torch.Tensor | None = None
+    packed: tuple | None = None  # pack_decode_blocks of the decode sequences
+    prefill_rows: torch.Tensor | None = None  # rows of the multi-query sequences, in order
+    prefill_tables: torch.Tensor | None = None
+    prefill_ctx: torch.Tensor | None = None
+    prefill_starts: torch.Tensor | None = None  # their query_start_loc, re-based to the prefill rows
+    prefill_host: tuple[list[int], list[int]] | None = None
+
+
+class TorchAttention:
+    def __init__(self, config: AttentionConfig) -> None:
+        self.config = config
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int, spec: KVCacheSpec, device) -> list[tuple]:
+        return [allocate_kv_layer(num_blocks, spec.num_kv_heads, block_size, spec.head_dim, spec.dtype, device)
+                for _ in range(spec.num_layers)]
+
+    def plan(self, meta: AttentionMetadata) -> TorchAttentionPlan:
+        dev = meta.slot_mapping.device
+        starts, qlens, ctxs = meta.query_start_loc_cpu, meta.query_lens_cpu, meta.context_lens_cpu
+        dec = [i for i, n in enumerate(qlens) if n == 1]
+        pre = [i for i, n in enumerate(qlens) if n > 1]
+        plan = TorchAttentionPlan(all_decode=len(dec) == len(qlens))
+        if dec:
+            idx = torch.tensor(dec, device=dev)
+            plan.decode_rows = torch.tensor([starts[i] for i in dec], device=dev)
+            plan.decode_tables, plan.decode_ctx = meta.block_tables[idx], meta.context_lens[idx]
+            plan.packed = pack_decode_blocks(plan.decode_tables, plan.decode_ctx, meta.block_size)
+        if pre:
+            idx = torch.tensor(pre, device=dev)
+            plan.prefill_rows = torch.cat([torch.arange(starts[i], starts[i + 1], device=dev) for i in pre])
+            rebased = [0]
+            for i in pre:
+                rebased.append(rebased[-1] + qlens[i])
+            plan.prefill_tables, plan.prefill_ctx = meta.block_tables[idx], meta.context_lens[idx]
+            plan.prefill_starts = torch.tensor(rebased, device=dev)
+            plan.prefill_host = (rebased, [ctxs[i] for i in pre])
+        return plan
+
+    def forward(self, q, k, v, kv_cache: tuple, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        k_cache, v_cache, *scales = kv_cache  # an int8 cache carries (k_scale, v_scale) too
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, *scales)
+        return self.attend(q, kv_cache, meta, scale)
+
+    def attend(self, q: torch.Tensor, kv_cache: tuple, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Attention of the packed queries over the cache as it stands (their own K/V included)."""
+        k_cache, v_cache, *scales = kv_cache
+        k_scale, v_scale = scales if scales else (None, None)
+        plan: TorchAttentionPlan = meta.plan
+        if plan.all_decode:
+            return decode_attention(q, k_cache, v_cache, plan.decode_tables, plan.decode_ctx, scale, k_scale, v_scale,
+                                    packed=plan.packed).to(q.dtype)
+        out = torch.empty_like(q)
+        if plan.decode_rows is not None:
+            o = decode_attention(q.index_select(0, plan.decode_rows), k_cache, v_cache, plan.decode_tables,
+                                 plan.decode_ctx, scale, k_scale, v_scale, packed=plan.packed)
+            out[plan.decode_rows] = o.to(out.dtype)
+        o = prefill_attention(q.index_select(0, plan.prefill_rows), k_cache, v_cache, plan.prefill_tables,
+                              plan.prefill_ctx, plan.prefill_starts, scale, k_scale, v_scale, host=plan.prefill_host)
+        out[plan.prefill_rows] = o.to(out.dtype)
+        return out
+
+    def copy_blocks(self, kv_caches: list[tuple], src: torch.Tensor, dst: torch.Tensor) -> None:
+        for layer in kv_caches:
+            for t in layer:
+                t[dst] = t[src]
+
+
+@hookimpl
+def servelab_attention_backends():
+    return {"torch": TorchAttention}

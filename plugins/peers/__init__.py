@@ -1,0 +1,1 @@
+"""Benchmark peers: other systems `run` and `compare` measure on the same workload."""
