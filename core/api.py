@@ -11,6 +11,7 @@ from core.config.schema import (
     BackendConfig,
     CacheConfig,
     DecoderConfig,
+    ModelConfig,
     PeerConfig,
     QuantConfig,
     SchedulerConfig,
@@ -49,13 +50,15 @@ from core.model.calibration import calibration_prompts
 from core.model.gguf import PERMUTED_ARCHS, gguf_to_hf_name, unpermute_qk
 from core.model.loader import DTYPES
 from core.model.quantize import capture_linear_inputs, quantize_tied_embedding, swap_linears
+from core.runner.memory import kv_memory_budget
 from core.runner.metadata import AttentionMetadata, ModelInput
 
 __all__ = [
     # hooks
     "hookimpl",
     # configs (subclass one as your factory's `config_class` to add keys)
-    "AttentionConfig", "BackendConfig", "CacheConfig", "DecoderConfig", "PeerConfig", "QuantConfig", "SchedulerConfig",
+    "AttentionConfig", "BackendConfig", "CacheConfig", "DecoderConfig", "ModelConfig", "PeerConfig", "QuantConfig",
+    "SchedulerConfig",
     # contracts and capabilities
     "AttentionBackend", "Backend", "CacheAllocator", "Decoder", "Peer", "Quantizer", "Scheduler",
     "SupportsCopyOnWrite", "SupportsDescribe", "SupportsFork", "SupportsTruncate", "has_capability",
@@ -63,7 +66,7 @@ __all__ = [
     "AttentionMetadata", "CacheStats", "DecoderOutput", "KVCacheSpec", "ModelInput", "RequestRecord",
     "RequestTimings", "SamplingParams", "ScheduledSeq", "SchedulerOutput", "Sequence", "SequenceStatus", "StepStats",
     # base classes and helpers
-    "QueueScheduler", "stop_status", "make_record", "DTYPES",
+    "QueueScheduler", "stop_status", "make_record", "DTYPES", "kv_memory_budget",
     "calibration_prompts", "capture_linear_inputs", "quantize_tied_embedding", "swap_linears",
     "PERMUTED_ARCHS", "gguf_to_hf_name", "unpermute_qk",
     # errors

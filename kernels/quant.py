@@ -1,8 +1,9 @@
 """Weight-only quantized linear layers: INT8 per output channel, INT4 group-wise asymmetric.
 
-Each matmul has a fast path (PyTorch's packed CPU kernels `_weight_int8pack_mm` and
-`_weight_int4pack_mm_for_cpu`, which want bf16 activations) and a torch reference twin that
-dequantizes and multiplies; tests hold the two together.
+Each matmul has fast paths (on the CPU PyTorch's packed kernels `_weight_int8pack_mm` and
+`_weight_int4pack_mm_for_cpu`, which want bf16 activations; on CUDA the Triton kernels of
+kernels.triton_quant, which dequantize inside the matmul) and a torch reference twin that
+dequantizes and multiplies; tests hold them together.
 
 INT4 follows the packed kernel's convention: q in 0..15 per weight, per (group, output channel)
 a scale and a zero, w = (q - 8) * scale + zero.
@@ -13,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kernels.dispatch import use_triton
 
 INT4_INNER_K_TILES = 2  # the CPU packer's tiling: K must be a multiple of 16 * this
 
@@ -37,7 +40,11 @@ def int8_matmul_ref(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> t
 
 
 def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ (q * scales).T; the packed CPU kernel takes bf16 activations."""
+    """x [M, K] @ (q * scales).T: Triton on CUDA, the packed CPU kernel (bf16 activations) on the CPU."""
+    if use_triton(x):
+        from kernels.triton_quant import int8_matmul as triton_int8_matmul
+
+        return triton_int8_matmul(x, q, scales)
     if x.device.type == "cpu":
         return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), q, scales.to(torch.bfloat16)).to(x.dtype)
     return int8_matmul_ref(x, q, scales)
@@ -84,7 +91,8 @@ class Int8Linear(nn.Module):
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, fast: bool = True):
         super().__init__()
         self.register_buffer("weight_q", q)
-        self.register_buffer("scales", scales.to(torch.bfloat16) if fast else scales.float())
+        cpu_kernel = fast and not use_triton(q)  # the packed CPU kernel takes bf16 scales; Triton reads fp32
+        self.register_buffer("scales", scales.to(torch.bfloat16) if cpu_kernel else scales.float())
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.fast = fast
         self.in_features, self.out_features = q.shape[1], q.shape[0]
@@ -97,8 +105,7 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        y = int8_matmul(x2, self.weight_q, self.scales) if self.fast and x2.device.type == "cpu" else \
-            int8_matmul_ref(x2, self.weight_q, self.scales)
+        y = int8_matmul(x2, self.weight_q, self.scales) if self.fast else int8_matmul_ref(x2, self.weight_q, self.scales)
         y = y.reshape(*shape[:-1], self.out_features)
         return y + self.bias if self.bias is not None else y
 
@@ -106,16 +113,21 @@ class Int8Linear(nn.Module):
 class Int4Linear(nn.Module):
     """Weight-only INT4 linear, group-wise along the input. Input features are zero-padded to a
     multiple of the group size (and of the packer's tile) so odd shapes work; the optional
-    `input_scale` holds AWQ-style per-input-channel scales the activations are divided by."""
+    `input_scale` holds AWQ-style per-input-channel scales the activations are divided by.
+
+    Layouts by device: `cpu_packed` (the CPU kernel's tiles), `nibbles` (two weights a byte, for
+    the Triton kernel on CUDA), `unpacked` (one weight a byte, the reference; fast=False)."""
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
                  in_features: int, bias: torch.Tensor | None, input_scale: torch.Tensor | None = None,
-                 fast: bool = True):
+                 fast: bool = True, device=None):
         super().__init__()
+        device = torch.device(device) if device is not None else q.device
+        q, scales, zeros = q.to(device), scales.to(device), zeros.to(device)
         self.group_size, self.in_features, self.out_features = group_size, in_features, q.shape[0]
         self.padded_in = q.shape[1]
-        self.fast = fast
-        if self.fast:
+        self.layout = "unpacked" if not fast else ("nibbles" if use_triton(q) else "cpu_packed")
+        if self.layout == "cpu_packed":
             # the packer wants N a multiple of 16: pad with rows that dequantize to zero
             n_pad = -self.out_features % 16
             if n_pad:
@@ -123,12 +135,18 @@ class Int4Linear(nn.Module):
                 scales, zeros = F.pad(scales, (0, n_pad)), F.pad(zeros, (0, n_pad))
             self.register_buffer("weight_packed", pack_int4(q))
             self.register_buffer("scales_and_zeros", torch.stack([scales, zeros], dim=-1).to(torch.bfloat16))
+        elif self.layout == "nibbles":
+            from kernels.triton_quant import pack_int4_nibbles
+
+            self.register_buffer("weight_packed", pack_int4_nibbles(q))
+            self.register_buffer("scales", scales.float())
+            self.register_buffer("zeros", zeros.float())
         else:
             self.register_buffer("weight_q", q.to(torch.uint8))
             self.register_buffer("scales", scales.float())
             self.register_buffer("zeros", zeros.float())
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self.register_buffer("input_scale", input_scale)
+        self.bias = None if bias is None else nn.Parameter(bias.to(device), requires_grad=False)
+        self.register_buffer("input_scale", None if input_scale is None else input_scale.to(device))
 
     @staticmethod
     def padded_features(k: int, group_size: int) -> int:
@@ -145,10 +163,16 @@ class Int4Linear(nn.Module):
         q, s, z = quantize_int4(scaled, group_size)
         return cls(q, s, z, group_size, k, bias, input_scale, fast)
 
+    def _unpacked(self) -> torch.Tensor:
+        if self.layout == "unpacked":
+            return self.weight_q.int()
+        if self.layout == "nibbles":
+            p = self.weight_packed.int()
+            return torch.stack([p & 15, p >> 4], dim=-1).flatten(1)
+        raise RuntimeError("the CPU kernel's packed layout is not unpacked; quantize with fast=False for the reference")
+
     def dequantized_weight(self) -> torch.Tensor:
-        if self.fast:
-            raise RuntimeError("the packed layout is not unpacked; quantize with fast=False for the reference")
-        w = dequantize_int4(self.weight_q.int(), self.scales, self.zeros, self.group_size)[:, : self.in_features]
+        w = dequantize_int4(self._unpacked(), self.scales, self.zeros, self.group_size)[:, : self.in_features]
         return w / self.input_scale.float()[None, :] if self.input_scale is not None else w
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -158,9 +182,13 @@ class Int4Linear(nn.Module):
             x2 = x2 / self.input_scale.to(x2.dtype)
         if self.padded_in != self.in_features:
             x2 = F.pad(x2, (0, self.padded_in - self.in_features))
-        if self.fast and x2.device.type == "cpu":
+        if self.layout == "cpu_packed" and x2.device.type == "cpu":
             y = int4_matmul(x2, self.weight_packed, self.scales_and_zeros, self.group_size)[:, : self.out_features]
             y = y.to(x.dtype)
+        elif self.layout == "nibbles":
+            from kernels.triton_quant import int4_matmul as triton_int4_matmul
+
+            y = triton_int4_matmul(x2.contiguous(), self.weight_packed, self.scales, self.zeros, self.group_size)
         else:
             y = int4_matmul_ref(x2, self.weight_q.int(), self.scales, self.zeros, self.group_size)
         y = y.reshape(*shape[:-1], self.out_features)

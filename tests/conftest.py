@@ -1,3 +1,12 @@
+import os
+
+import torch
+
+# The Triton kernels run on the CPU only in Triton's interpreter, which must be chosen before
+# triton is first imported (its @triton.jit decorators read it).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import sys
 from pathlib import Path
 

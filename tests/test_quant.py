@@ -61,7 +61,7 @@ def test_int4_module_matches_dequantized_reference_on_odd_shapes(n, k, group):
     expect = x.float() @ ref.dequantized_weight().T + bias
     torch.testing.assert_close(ref(x).float(), expect, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(fast(x.bfloat16()).float(), expect, atol=0.15, rtol=0.05)
-    assert fast.fast  # odd N and K are padded for the packed kernel
+    assert fast.layout == "cpu_packed"  # odd N and K are padded for the packed kernel
 
 
 def test_awq_beats_round_to_nearest_when_activations_have_outliers():

@@ -26,9 +26,8 @@ from core.bench.driver import workload_config
 from core.bench.roofline import machine_info
 from core.bench.summary import summarize
 from core.config.schema import run_config, section
-from core.engine.components import engine_config, resolve_model_path
+from core.engine.components import engine_config, model_tokenizer
 from core.errors import ConfigError
-from core.model.loader import load_tokenizer
 from scenarios.workloads import build_workload, materialize
 
 LOCUSTFILE = Path(str(resources.files("scenarios") / "locustfile.py"))
@@ -170,7 +169,7 @@ def run_bench(cfg: DictConfig, overrides: list[str]) -> int:
     sc = section(ScenarioConfig, cfg.get("scenario"), "scenario")
     tc = section(TargetConfig, cfg.get("target"), "target")
     rc, ec, wc = run_config(cfg), engine_config(cfg), workload_config(cfg)
-    tokenizer = load_tokenizer(resolve_model_path(ec))
+    tokenizer = model_tokenizer(ec)
     workload = build_workload(wc, ec.model.max_model_len)
     materialize(workload, tokenizer)
     name = rc.name or f"bench-{sc.name}-{ec.scheduler.name}"

@@ -68,11 +68,11 @@ def _workload_md(w: dict) -> str:
     return "\n".join(lines)
 
 
-def _roofline_md(r: dict, s: dict) -> str:
+def _roofline_md(r: dict, s: dict, device: str | None = None) -> str:
     f = r["workload_floor"]
     lines = [
-        f"- machine: {r['peak_gflops']:.0f} GFLOP/s matmul peak (model dtype), {r['mem_bandwidth_gbs']:.1f} GB/s "
-        f"memory bandwidth (measured); weights {r['weight_bytes'] / 1e6:.0f} MB",
+        f"- {device or 'machine'}: {r['peak_gflops']:.0f} GFLOP/s matmul peak (model dtype), {r['mem_bandwidth_gbs']:.1f} "
+        f"GB/s memory bandwidth (measured); weights {r['weight_bytes'] / 1e6:.0f} MB",
         f"- workload floor: {f['time_s']:.2f} s ({f['bound']}-bound: compute {f['compute_s']:.2f} s, memory "
         f"{f['memory_s']:.2f} s) = {_f(r['roofline_total_tok_s'])} total tok/s at most",
         f"- achieved: {s['duration_s']:.2f} s, **{r['fraction_of_roofline'] * 100:.1f} % of the roofline**",
@@ -87,13 +87,15 @@ def _roofline_md(r: dict, s: dict) -> str:
 
 def _header(result: dict) -> str:
     c = result["config"]
-    comp = ", ".join(f"{k}={c[k]['name']}" for k in ("scheduler", "cache", "quant", "decoder", "backend"))
+    comp = ", ".join(f"{k}={c[k]['name']}" for k in ("scheduler", "cache", "quant", "decoder", "backend", "attention")
+                     if k in c)
     m = result["machine"]
     return (f"- model: {result['model']['path']} ({result['model']['architecture']}, {result['model']['dtype']}, "
             f"max_model_len {c['model']['max_model_len']})\n- components: {comp}; max_num_seqs "
             f"{c['scheduler']['max_num_seqs']}, max_num_batched_tokens {c['scheduler']['max_num_batched_tokens']}\n"
             f"- KV cache: {result['kv_cache']}\n"
-            f"- machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['torch_threads']} threads)")
+            f"- machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['torch_threads']} threads)"
+            + (f"; device: {m['device']}" if m.get("device_type") == "cuda" else ""))
 
 
 def run_markdown(result: dict, plots: list[str]) -> str:
@@ -116,7 +118,7 @@ def run_markdown(result: dict, plots: list[str]) -> str:
         f"- usage: peak {kv['peak'] * 100:.1f} %, mean {kv['mean'] * 100:.1f} %" if kv else "- usage: not reported by this backend",
         f"- prefix cache: {pc.get('hits', 0)} of {pc.get('queries', 0)} prompt tokens hit ({pc.get('hit_rate', 0) * 100:.1f} %)",
         "", "## The physical limit", "",
-        _roofline_md(result["roofline"], s) if result.get("roofline") else "- not measured: the target is a server "
+        _roofline_md(result["roofline"], s, result["machine"].get("device")) if result.get("roofline") else "- not measured: the target is a server "
         "this process does not run (see its own metrics)", "",
     ]
     if plots:
@@ -155,7 +157,7 @@ def comparison_markdown(results: list[dict], plots: list[str]) -> str:
         "Throughput ratios > 1 and latency ratios < 1 favour the row.", "",
     ]
     for r in results:
-        lines += [f"### `{r['label']}`", "", _latency_table(r["summary"]), "", _roofline_md(r["roofline"], r["summary"]), ""]
+        lines += [f"### `{r['label']}`", "", _latency_table(r["summary"]), "", _roofline_md(r["roofline"], r["summary"], r["machine"].get("device")), ""]
     if plots:
         lines += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
     return "\n".join(lines)

@@ -1,5 +1,5 @@
-"""The physical limit: this machine's matmul peak and memory bandwidth, and the least time a
-workload could take on it.
+"""The physical limit: the model's device's matmul peak and memory bandwidth (the host CPU's, or a
+GPU's), and the least time a workload could take on it.
 
 Measured once per machine (CPU model, cores, torch version, threads) and cached under
 ~/.cache/servelab/; `run.remeasure_machine=true` measures again.
@@ -41,38 +41,53 @@ def machine_info() -> dict:
     }
 
 
-def _best_of(fn, reps: int) -> float:
+def _best_of(fn, reps: int, device: torch.device) -> float:
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     fn()  # warm up
+    sync()
     best = float("inf")
     for _ in range(reps):
         t = time.perf_counter()
         fn()
+        sync()
         best = min(best, time.perf_counter() - t)
     return best
 
 
-def measure_matmul_gflops(dtype: torch.dtype, n: int = 2048, reps: int = 5) -> float:
-    a = torch.randn(n, n, dtype=dtype)
-    b = torch.randn(n, n, dtype=dtype)
-    return 2 * n**3 / _best_of(lambda: torch.mm(a, b), reps) / 1e9
+def measure_matmul_gflops(dtype: torch.dtype, n: int = 2048, reps: int = 5, device="cpu") -> float:
+    device = torch.device(device)
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    return 2 * n**3 / _best_of(lambda: torch.mm(a, b), reps, device) / 1e9
 
 
-def measure_bandwidth_gbs(num_bytes: int = 1 << 30, reps: int = 5) -> float:
-    """Read bandwidth of DRAM: a sum over a buffer far larger than the last-level cache."""
-    x = torch.ones(num_bytes // 4, dtype=torch.float32)
-    return num_bytes / _best_of(lambda: x.sum(), reps) / 1e9
+def measure_bandwidth_gbs(num_bytes: int = 1 << 30, reps: int = 5, device="cpu") -> float:
+    """Read bandwidth of the device's memory: a sum over a buffer far larger than the last-level cache."""
+    device = torch.device(device)
+    x = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)
+    return num_bytes / _best_of(lambda: x.sum(), reps, device) / 1e9
 
 
-def machine_rates(remeasure: bool = False) -> dict:
+def machine_rates(remeasure: bool = False, device="cpu") -> dict:
+    """The roofline of the device the model runs on: the host CPU's, or the GPU's (HBM read
+    bandwidth and bf16 matmul peak, named after the GPU)."""
+    device = torch.device(device)
     info = machine_info()
-    key = hashlib.sha1(json.dumps({k: info[k] for k in ("cpu", "cores", "torch_threads", "torch")}).encode())
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    ident = {k: info[k] for k in ("cpu", "cores", "torch_threads", "torch")} | {"gpu": gpu}
+    key = hashlib.sha1(json.dumps(ident).encode())
     path = CACHE_DIR / f"machine-{key.hexdigest()[:12]}.json"
     if path.exists() and not remeasure:
         return json.loads(path.read_text())
+    n, size = (8192, 4 << 30) if gpu else (2048, 1 << 30)
     rates = {
-        **info,
-        "matmul_gflops": {"fp32": measure_matmul_gflops(torch.float32), "bf16": measure_matmul_gflops(torch.bfloat16)},
-        "mem_bandwidth_gbs": measure_bandwidth_gbs(),
+        **info, "device": gpu or info["cpu"], "device_type": device.type,
+        "matmul_gflops": {"fp32": measure_matmul_gflops(torch.float32, n, device=device),
+                          "bf16": measure_matmul_gflops(torch.bfloat16, n, device=device)},
+        "mem_bandwidth_gbs": measure_bandwidth_gbs(size, device=device),
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     CACHE_DIR.mkdir(parents=True, exist_ok=True)

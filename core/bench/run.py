@@ -6,6 +6,7 @@ import gc
 import time
 from dataclasses import dataclass, field
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
 from core.bench import report
@@ -14,13 +15,13 @@ from core.bench.roofline import CostModel, machine_rates, weight_bytes
 from core.bench.summary import summarize
 from core.config.compose import compose
 from core.config.schema import EngineConfig, PeerConfig, run_config
-from core.engine.components import engine_config, resolve_model_path
+from core.engine.components import engine_config, model_args, model_tokenizer, resolve_device, resolve_model_path
 from core.engine.engine import Engine
 from core.engine.interfaces import has_capability
 from core.engine.registry import get_registry
 from core.engine.types import KVCacheSpec
-from core.model.loader import DTYPES, load_tokenizer, read_model_args
-from scenarios.workloads import RequestSpec, WorkloadConfig, build_workload, materialize
+from core.model.loader import DTYPES
+from scenarios.workloads import WorkloadConfig, build_workload, materialize
 
 
 @dataclass
@@ -66,16 +67,15 @@ def measure_engine(ec: EngineConfig, wc: WorkloadConfig, warmup: int, progress: 
 
 def measure_peer(ec: EngineConfig, wc: WorkloadConfig, pc: PeerConfig, warmup: int, progress: bool) -> Measured:
     path = resolve_model_path(ec)
-    args = read_model_args(path)  # the geometry, for the roofline
-    tokenizer = load_tokenizer(path)
+    args = model_args(ec)  # the geometry, for the roofline
+    tokenizer = model_tokenizer(ec)
     workload = build_workload(wc, ec.model.max_model_len)
     materialize(workload, tokenizer)
     peer = get_registry().create("peer", pc)
-    peer.load(path, ec.model.dtype)
+    peer.load(ec.model, path, resolve_device(ec.model.device))
     pad = tokenizer.eos_token_id or 0
     if warmup:
-        peer.run([RequestSpec(i, 0.0, 16, 4, prompt_token_ids=[pad] * 16) for i in range(warmup)],
-                 ec.scheduler.max_num_seqs, pad)
+        peer.warm_up(workload.requests, ec.scheduler.max_num_seqs, pad, warmup)
     bar = progress_bar(len(workload.requests), wc.name, progress)
     t0 = time.perf_counter()
     records, steps = peer.run(workload.requests, ec.scheduler.max_num_seqs, pad, progress=bar)
@@ -102,10 +102,12 @@ def roofline(m: Measured, summary: dict, dtype: str, rates: dict) -> dict:
 def run_one(cfg: DictConfig, label: str | None = None) -> dict:
     """Build, warm up, run one configuration on its workload; returns the report dict."""
     ec, rc, wc, pc = engine_config(cfg), run_config(cfg), workload_config(cfg), peer_config(cfg)
-    rates = machine_rates(rc.remeasure_machine)
+    rates = machine_rates(rc.remeasure_machine, resolve_device(ec.model.device))
     m = measure_peer(ec, wc, pc, rc.warmup_requests, rc.progress) if pc else \
         measure_engine(ec, wc, rc.warmup_requests, rc.progress)
     gc.collect()
+    if torch.cuda.is_available():  # the next run (or peer) gets the device's memory back
+        torch.cuda.empty_cache()
     summary = summarize(m.records, m.duration_s, m.steps, rc.slo_ttft_s, rc.slo_tpot_s)
     summary["rejected"] = len(m.rejected)
     args = m.args
@@ -115,7 +117,8 @@ def run_one(cfg: DictConfig, label: str | None = None) -> dict:
         "model": {"path": resolve_model_path(ec), "architecture": args.architecture, "dtype": ec.model.dtype,
                   "layers": args.num_layers, "hidden": args.hidden_size},
         "kv_cache": m.kv_cache,
-        "machine": {k: rates[k] for k in ("cpu", "cores", "torch_threads", "torch", "platform", "measured_at")},
+        "machine": {k: rates.get(k) for k in ("cpu", "cores", "torch_threads", "torch", "platform", "measured_at",
+                                              "device", "device_type", "cuda")},
         "workload": m.workload.describe(),
         "summary": summary,
         "roofline": roofline(m, summary, ec.model.dtype, rates),

@@ -29,6 +29,9 @@ class ModelConfig:
     dtype: str = "bf16"  # bf16 | fp32
     max_model_len: int = 2048  # prompt + output tokens per sequence
     device: str = "auto"  # auto (cuda when available, else cpu) | cpu | cuda | cuda:N
+    load_format: str = "auto"  # auto: the weights at `path`; dummy: random weights of `shape` (no download)
+    shape: dict | None = None  # dummy: Hugging Face config keys (hidden_size, num_hidden_layers, ...)
+    tokenizer: str | None = None  # dummy: a tokenizer directory or GGUF; None: the embedded model's
 
 
 @dataclass
@@ -63,7 +66,7 @@ class BackendConfig:
 
 @dataclass
 class AttentionConfig:
-    name: str = "torch"
+    name: str = "auto"  # triton on CUDA, torch elsewhere
 
 
 @dataclass

@@ -15,7 +15,11 @@ from core.engine.interfaces import has_capability
 from core.engine.registry import Registry, get_registry
 from core.engine.types import KVCacheSpec
 from core.errors import ConfigError
-from core.model.loader import DTYPES, LoadedModel, load_model
+from core.model.dummy import dummy_args, dummy_model
+from core.model.llama import ModelArgs
+from core.model.loader import DTYPES, LoadedModel, load_model, load_tokenizer, read_model_args
+from core.model.tokenizer import Tokenizer
+from core.runner.memory import activation_reserve
 from core.runner.model_runner import ModelRunner
 
 log = logging.getLogger("servelab")
@@ -55,6 +59,8 @@ def validate(ec: EngineConfig) -> None:
         if value <= 0:
             raise ConfigError(f"{name} must be positive, got {value}")
     resolve_device(ec.model.device)
+    if ec.model.load_format not in ("auto", "dummy"):
+        raise ConfigError(f"model.load_format must be auto or dummy, got '{ec.model.load_format}'")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -73,6 +79,9 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_model_path(config: EngineConfig) -> str:
+    """Where the weights come from: a path, the embedded default model, or `dummy:NAME`."""
+    if config.model.load_format == "dummy":
+        return f"dummy:{config.model.name}"
     if config.model.path:
         return config.model.path
     if config.model.name == "smollm2-135m":
@@ -80,6 +89,28 @@ def resolve_model_path(config: EngineConfig) -> str:
 
         return str(default_model_path())
     raise ConfigError(f"model '{config.model.name}' has no path; set model.path=DIR_OR_GGUF")
+
+
+def load_weights(config: EngineConfig, device: torch.device) -> LoadedModel:
+    mc = config.model
+    if mc.load_format == "dummy":
+        return dummy_model(mc.shape, mc.name, DTYPES[mc.dtype], mc.max_model_len, device, config.seed, mc.tokenizer)
+    return load_model(resolve_model_path(config), mc.dtype, mc.max_model_len, device)
+
+
+def model_args(config: EngineConfig) -> ModelArgs:
+    """The model's geometry without its weights."""
+    mc = config.model
+    return dummy_args(mc.shape, mc.name) if mc.load_format == "dummy" else read_model_args(resolve_model_path(config))
+
+
+def model_tokenizer(config: EngineConfig) -> Tokenizer:
+    mc = config.model
+    if mc.load_format == "dummy":
+        from core.model.default_model import default_model_path
+
+        return load_tokenizer(mc.tokenizer or default_model_path())
+    return load_tokenizer(resolve_model_path(config))
 
 
 @dataclass
@@ -104,17 +135,20 @@ def build_parts(config: EngineConfig, registry: Registry, loaded: LoadedModel | 
     device = resolve_device(mc.device)
     torch.manual_seed(config.seed)
     if loaded is None:
-        loaded = load_model(resolve_model_path(config), mc.dtype, mc.max_model_len, device)
+        loaded = load_weights(config, device)
     quantizer = registry.create("quant", config.quant, tokenizer=loaded.tokenizer, source=loaded.source)
     model = quantizer.quantize(loaded.model)
     args = loaded.args
     kv_dtype = torch.int8 if config.cache.dtype == "int8" else DTYPES[mc.dtype]
     kv_spec = KVCacheSpec(args.num_layers, args.num_kv_heads, args.head_dim, kv_dtype, mc.max_model_len)
-    allocator = registry.create("cache", config.cache, spec=kv_spec, max_num_seqs=config.scheduler.max_num_seqs)
+    sc = config.scheduler
+    allocator = registry.create("cache", config.cache, spec=kv_spec, max_num_seqs=sc.max_num_seqs, device=device,
+                                reserved_bytes=activation_reserve(args, sc.max_num_batched_tokens, sc.max_num_seqs))
     if has_capability(allocator, "describe"):
         log.info(allocator.describe())
-    attention = registry.create("attention", config.attention)
-    backend = registry.create("backend", config.backend, model=model, spec=kv_spec, attention=attention, device=device)
+    attention = registry.create("attention", config.attention, device=device)
+    backend = registry.create("backend", config.backend, model=model, spec=kv_spec, attention=attention, device=device,
+                              max_num_seqs=config.scheduler.max_num_seqs)
     backend.init_kv_cache(allocator.num_blocks, allocator.block_size)
     scheduler = registry.create("scheduler", config.scheduler, allocator=allocator)
     decoder = registry.create("decoder", config.decoder, vocab_size=args.vocab_size, seed=config.seed)

@@ -4,15 +4,20 @@ A plugin is any module or object with functions marked `@hookimpl` (from `core.a
 Component hooks return `{name: factory}`; the factories are called with keyword arguments:
 
 - scheduler:       factory(config, allocator) -> Scheduler
-- cache allocator: factory(config, spec: KVCacheSpec, max_num_seqs: int) -> CacheAllocator
+- cache allocator: factory(config, spec: KVCacheSpec, max_num_seqs: int, device: torch.device,
+                           reserved_bytes: int) -> CacheAllocator  (reserved_bytes: the engine's
+                           estimate of a step's activations, to leave out of a memory budget)
 - quantizer:       factory(config, tokenizer, source: str) -> Quantizer
                    (source: the model path, for quantizers that read the file's own blocks)
 - decoder:         factory(config, vocab_size: int, seed: int) -> Decoder
 - backend:         factory(config, model: nn.Module, spec: KVCacheSpec, attention: AttentionBackend,
-                           device: torch.device) -> Backend
-- attention:       factory(config) -> AttentionBackend
+                           device: torch.device, max_num_seqs: int) -> Backend
+- attention:       factory(config, device: torch.device) -> AttentionBackend
 - peer:            factory(config) -> Peer (a whole other system, run by `run`/`compare` in place
                    of the engine)
+
+A factory receives the context arguments its signature names (all of them if it takes
+**kwargs), so a later servelab may add context without breaking it.
 
 `config` is the kind's dataclass from `core.api` (`SchedulerConfig`, ...) or the factory's own
 subclass of it, named by its `config_class` attribute: keys outside it are rejected at start-up.

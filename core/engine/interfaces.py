@@ -75,6 +75,11 @@ class SupportsDescribe(Protocol):
         """One line of pool arithmetic for the start-up log and the reports."""
 
 
+class SupportsCudaGraphs(Protocol):
+    """An attention backend whose decode-only `plan` makes no tensor and whose kernels' launch
+    shapes depend only on the batch size: a decode step through it can be captured in a CUDA graph."""
+
+
 class Scheduler(Protocol):
     """Picks each step's batch and is the one writer of sequence state (`update_from_output`)."""
 
@@ -150,7 +155,18 @@ class Peer(Protocol):
     """A whole other system run on the same workload (e.g. transformers `generate`): not part of
     the engine, it returns the same per-request records and step stats."""
 
-    def run(self, model_path: str, dtype: str, requests: list, max_num_seqs: int, progress=None) -> dict: ...
+    def load(self, model: Any, path: str, device: Any) -> None:
+        """The same model (a ModelConfig: path or dummy shape, dtype) on `device`."""
+
+    def warm_up(self, requests: list, max_num_seqs: int, pad_token_id: int, n: int) -> None:
+        """Pay one-time costs (compiles, allocations) before the measured run."""
+
+    def run(self, requests: list, max_num_seqs: int, pad_token_id: int, progress=None) -> tuple[list, list]:
+        """Serve the requests (arrival-ordered RequestSpecs); per-request records and per-step stats."""
+
+    def weight_bytes(self) -> int: ...
+
+    def describe(self) -> str: ...
 
 
 CONTRACTS: dict[str, type] = {
@@ -160,6 +176,7 @@ CONTRACTS: dict[str, type] = {
 CAPABILITIES: dict[str, dict[str, type]] = {
     "cache": {"fork": SupportsFork, "copy_on_write": SupportsCopyOnWrite, "truncate": SupportsTruncate,
               "describe": SupportsDescribe},
+    "attention": {"cuda_graphs": SupportsCudaGraphs},
 }
 
 

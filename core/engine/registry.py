@@ -9,6 +9,7 @@ the one place core/ names a plugin module.
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +36,7 @@ BUILTIN_PLUGINS = (
     "plugins.decoders.sampling",
     "plugins.backends.torch_backend",
     "plugins.attention.torch_ref",
+    "plugins.attention.triton_attn",
     "plugins.peers.hf",
 )
 # kind -> the hook that lists its factories
@@ -102,16 +104,28 @@ class Registry:
         return section(component.config_class, data, f"{kind} '{name}'")
 
     def create(self, kind: str, config: Any, **kwargs: Any) -> Any:
-        """Build the component `config.name` names, with its typed config; check its contract."""
+        """Build the component `config.name` names, with its typed config; check its contract. A
+        factory gets the context arguments it names (all of them if it takes **kwargs), so context
+        added in a later servelab version does not break an older plugin."""
         component = self.get(kind, config.name)
         if not isinstance(config, component.config_class):
             config = self.config(kind, config)
-        instance = component.factory(config=config, **kwargs)
+        instance = component.factory(config=config, **accepted(component.factory, kwargs))
         check_contract(kind, component.name, instance, component.source)
         return instance
 
     def all(self) -> list[Component]:
         return [c for kind in KINDS for c in sorted(self.components[kind].values(), key=lambda c: c.name)]
+
+
+def accepted(factory: Callable, kwargs: dict) -> dict:
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: give it everything
+        return kwargs
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return kwargs
+    return {k: v for k, v in kwargs.items() if k in params}
 
 
 def plugin_manager() -> pluggy.PluginManager:

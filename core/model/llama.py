@@ -18,6 +18,8 @@ from torch import nn
 
 from core.runner.metadata import AttentionMetadata
 from kernels.attention import causal_attention
+from kernels.norm import rms_norm
+from kernels.rotary import rotary
 
 
 @dataclass
@@ -108,12 +110,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [tokens, heads, head_dim], rotate-half convention (Hugging Face layout)."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [tokens, heads, head_dim], k [tokens, kv_heads, head_dim]; rotate-half (Hugging Face layout)."""
+        return rotary(q, k, positions, self.cos, self.sin)
 
 
 @dataclass
@@ -131,10 +130,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x), or with a residual (norm(x + residual), x + residual): the add is fused in."""
+        out, residual_out = rms_norm(x, self.weight, self.eps, residual)
+        return out if residual is None else (out, residual_out)
 
 
 class Attention(nn.Module):
@@ -151,8 +150,8 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, ctx: ForwardContext,
                 layer: int) -> torch.Tensor:
         t = x.shape[0]
-        q = rope(self.q_proj(x).view(t, self.num_heads, self.head_dim), positions)
-        k = rope(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), positions)
+        q, k = rope(self.q_proj(x).view(t, self.num_heads, self.head_dim),
+                    self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), positions)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         if ctx.attention is None:
             o = causal_attention(q, k, v, self.scale)
@@ -181,9 +180,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, x, positions, rope, ctx: ForwardContext, layer: int):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, ctx, layer)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, rope, ctx: ForwardContext, layer: int):
+        """Pre-norm with the residual carried beside the stream (vLLM's way), so each norm fuses the
+        add before it: returns (this layer's MLP output, the residual stream before it)."""
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, rope, ctx, layer)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class Backbone(nn.Module):
@@ -209,10 +215,10 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states [num_tokens, hidden] of a packed batch; the attention backend writes KV to
         `kv_caches` where `meta` says. Without a backend: one sequence, causal, no cache."""
         ctx = ForwardContext(meta, kv_caches, attention)
-        x = self.model.embed_tokens(input_ids)
+        x, residual = self.model.embed_tokens(input_ids), None
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, positions, self.rope, ctx, i)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, positions, self.rope, ctx, i)
+        return self.model.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

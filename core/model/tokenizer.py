@@ -94,6 +94,21 @@ class Tokenizer:
             return new_text[len(prefix_text) :], read_offset, len(all_ids)
         return "", prefix_offset, read_offset
 
+    def save(self, path: Path) -> None:
+        """Write tokenizer.json, tokenizer_config.json and a config.json holding the special ids, which
+        `from_hf_dir` reads back (e.g. to carry the embedded GGUF's tokenizer without its weights)."""
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        self.backend.save(str(path / "tokenizer.json"))
+        tok = self.backend.id_to_token
+        (path / "tokenizer_config.json").write_text(json.dumps({
+            "bos_token": tok(self.bos_token_id) if self.bos_token_id is not None else None,
+            "eos_token": tok(self.eos_token_id) if self.eos_token_id is not None else None,
+            "add_bos_token": self.add_bos, "chat_template": self.chat_template,
+        }))
+        (path / "config.json").write_text(json.dumps({"bos_token_id": self.bos_token_id,
+                                                      "eos_token_id": list(self.eos_token_ids)}))
+
     # ---- loading -------------------------------------------------------------------------
 
     @classmethod

@@ -17,7 +17,7 @@ class AttentionMetadata:
     the blocks its row of `block_tables` lists, in order (token p in block p // block_size)."""
 
     slot_mapping: torch.Tensor  # [num_tokens] int64: flat slot (block * block_size + offset) of each new token
-    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, padded with 0
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int64, padded with 0
     context_lens: torch.Tensor  # [num_seqs] int64: tokens in the cache after this step
     query_lens: torch.Tensor  # [num_seqs] int64: new tokens this step
     query_start_loc: torch.Tensor  # [num_seqs + 1] int64: each sequence's rows in the packed batch

@@ -2,7 +2,7 @@
 
 Allocators hand out block tables; the runner turns them, with the scheduled token counts, into
 the packed input ids, positions, slot mapping and attention metadata in a single pass, copies
-them to the device once, and lets the attention backend derive what its kernels reuse in every
+them to the device in one non-blocking transfer from pinned memory, and lets the attention backend derive what its kernels reuse in every
 layer (`AttentionBackend.plan`). A new attention backend therefore touches no allocator.
 """
 
@@ -23,13 +23,14 @@ class ModelRunner:
     def __init__(self, device: torch.device, attention: AttentionBackend) -> None:
         self.device = torch.device(device)
         self.attention = attention
-        self._pin = self.device.type == "cuda"
 
-    def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        t = torch.tensor(values, dtype=dtype)
-        if self.device.type == "cpu":
-            return t
-        return (t.pin_memory() if self._pin else t).to(self.device, non_blocking=True)
+    def _upload(self, fields: list[list[int]]) -> list[torch.Tensor]:
+        """Every int64 field in one host buffer (pinned on CUDA) and one non-blocking copy; views out."""
+        sizes = [len(f) for f in fields]
+        host = torch.tensor([v for f in fields for v in f], dtype=torch.int64)
+        if self.device.type != "cpu":
+            host = host.pin_memory().to(self.device, non_blocking=True)
+        return list(torch.split(host, sizes))
 
     def prepare(self, scheduled: list[ScheduledSeq], block_tables: list[list[int]], block_size: int) -> ModelInput:
         ids: list[int] = []
@@ -49,14 +50,14 @@ class ModelRunner:
                 logits_indices.append(len(ids) - 1)
                 sample_rows.append(i)
         width = max((len(t) for t in block_tables), default=1) or 1
-        padded = [t + [0] * (width - len(t)) for t in block_tables]
+        flat_tables = [b for t in block_tables for b in t + [0] * (width - len(t))]
+        ids_t, pos_t, slots_t, ctx_t, qlen_t, starts_t, logits_t, tables_t = self._upload(
+            [ids, positions, slots, ctxs, qlens, starts, logits_indices, flat_tables])
         meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots, torch.int64), block_tables=self._tensor(padded, torch.int32),
-            context_lens=self._tensor(ctxs, torch.int64), query_lens=self._tensor(qlens, torch.int64),
-            query_start_loc=self._tensor(starts, torch.int64), block_size=block_size,
-            max_query_len=max(qlens, default=0), max_context_len=max(ctxs, default=0),
-            query_lens_cpu=qlens, context_lens_cpu=ctxs, query_start_loc_cpu=starts, block_tables_cpu=block_tables,
+            slot_mapping=slots_t, block_tables=tables_t.view(len(block_tables), width), context_lens=ctx_t,
+            query_lens=qlen_t, query_start_loc=starts_t, block_size=block_size, max_query_len=max(qlens, default=0),
+            max_context_len=max(ctxs, default=0), query_lens_cpu=qlens, context_lens_cpu=ctxs,
+            query_start_loc_cpu=starts, block_tables_cpu=block_tables,
         )
         meta.plan = self.attention.plan(meta)
-        return ModelInput(self._tensor(ids, torch.int64), self._tensor(positions, torch.int64), meta,
-                          self._tensor(logits_indices, torch.int64), sample_rows)
+        return ModelInput(ids_t, pos_t, meta, logits_t, sample_rows)

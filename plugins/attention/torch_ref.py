@@ -2,7 +2,8 @@
 
 Once per step `plan` splits the batch into single-query rows (decode, done together over packed
 blocks) and multi-query rows (prefill chunks) and packs the decode blocks, so the layers reuse
-those index tensors instead of rebuilding them thirty times.
+those index tensors instead of rebuilding them thirty times. The `triton` backend shares the
+split and swaps the kernels.
 """
 
 from __future__ import annotations
@@ -29,8 +30,38 @@ class TorchAttentionPlan:
     prefill_host: tuple[list[int], list[int]] | None = None
 
 
+def split_rows(meta: AttentionMetadata, pack: bool) -> TorchAttentionPlan:
+    """Single-query rows (decodes) apart from multi-query rows (prefill chunks), once per step; a
+    decode-only step makes no tensor at all. `pack`: also gather the decodes' blocks (the torch
+    reference's packed decode reads them)."""
+    starts, qlens, ctxs = meta.query_start_loc_cpu, meta.query_lens_cpu, meta.context_lens_cpu
+    dec = [i for i, n in enumerate(qlens) if n == 1]
+    plan = TorchAttentionPlan(all_decode=len(dec) == len(qlens))
+    if plan.all_decode:
+        if pack:
+            plan.packed = pack_decode_blocks(meta.block_tables, meta.context_lens, meta.block_size)
+        return plan
+    dev = meta.slot_mapping.device
+    pre = [i for i, n in enumerate(qlens) if n > 1]
+    if dec:
+        idx = torch.tensor(dec, device=dev)
+        plan.decode_rows = torch.tensor([starts[i] for i in dec], device=dev)
+        plan.decode_tables, plan.decode_ctx = meta.block_tables[idx], meta.context_lens[idx]
+        if pack:
+            plan.packed = pack_decode_blocks(plan.decode_tables, plan.decode_ctx, meta.block_size)
+    idx = torch.tensor(pre, device=dev)
+    plan.prefill_rows = torch.cat([torch.arange(starts[i], starts[i + 1], device=dev) for i in pre])
+    rebased = [0]
+    for i in pre:
+        rebased.append(rebased[-1] + qlens[i])
+    plan.prefill_tables, plan.prefill_ctx = meta.block_tables[idx], meta.context_lens[idx]
+    plan.prefill_starts = torch.tensor(rebased, device=dev)
+    plan.prefill_host = (rebased, [ctxs[i] for i in pre])
+    return plan
+
+
 class TorchAttention:
-    def __init__(self, config: AttentionConfig) -> None:
+    def __init__(self, config: AttentionConfig, device=None) -> None:
         self.config = config
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, spec: KVCacheSpec, device) -> list[tuple]:
@@ -38,26 +69,7 @@ class TorchAttention:
                 for _ in range(spec.num_layers)]
 
     def plan(self, meta: AttentionMetadata) -> TorchAttentionPlan:
-        dev = meta.slot_mapping.device
-        starts, qlens, ctxs = meta.query_start_loc_cpu, meta.query_lens_cpu, meta.context_lens_cpu
-        dec = [i for i, n in enumerate(qlens) if n == 1]
-        pre = [i for i, n in enumerate(qlens) if n > 1]
-        plan = TorchAttentionPlan(all_decode=len(dec) == len(qlens))
-        if dec:
-            idx = torch.tensor(dec, device=dev)
-            plan.decode_rows = torch.tensor([starts[i] for i in dec], device=dev)
-            plan.decode_tables, plan.decode_ctx = meta.block_tables[idx], meta.context_lens[idx]
-            plan.packed = pack_decode_blocks(plan.decode_tables, plan.decode_ctx, meta.block_size)
-        if pre:
-            idx = torch.tensor(pre, device=dev)
-            plan.prefill_rows = torch.cat([torch.arange(starts[i], starts[i + 1], device=dev) for i in pre])
-            rebased = [0]
-            for i in pre:
-                rebased.append(rebased[-1] + qlens[i])
-            plan.prefill_tables, plan.prefill_ctx = meta.block_tables[idx], meta.context_lens[idx]
-            plan.prefill_starts = torch.tensor(rebased, device=dev)
-            plan.prefill_host = (rebased, [ctxs[i] for i in pre])
-        return plan
+        return split_rows(meta, pack=True)
 
     def forward(self, q, k, v, kv_cache: tuple, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         k_cache, v_cache, *scales = kv_cache  # an int8 cache carries (k_scale, v_scale) too
@@ -70,7 +82,7 @@ class TorchAttention:
         k_scale, v_scale = scales if scales else (None, None)
         plan: TorchAttentionPlan = meta.plan
         if plan.all_decode:
-            return decode_attention(q, k_cache, v_cache, plan.decode_tables, plan.decode_ctx, scale, k_scale, v_scale,
+            return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, k_scale, v_scale,
                                     packed=plan.packed).to(q.dtype)
         out = torch.empty_like(q)
         if plan.decode_rows is not None:

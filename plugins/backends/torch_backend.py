@@ -1,23 +1,56 @@
-"""Backend `torch`: the model forward in eager PyTorch, on the CPU or a CUDA device."""
+"""Backend `torch`: the model forward in PyTorch, on the CPU or a CUDA device.
+
+On CUDA, decode-only steps replay CUDA graphs captured at start-up, one per batch-size bucket
+(`backend.cuda_graphs`, on by default there; it needs an attention backend with the
+`cuda_graphs` capability, such as `triton`). Steps with a prefill chunk run eagerly.
+"""
 
 from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from core.api import AttentionBackend, BackendConfig, KVCacheSpec, ModelInput, hookimpl
+from core.api import AttentionBackend, BackendConfig, ConfigError, KVCacheSpec, ModelInput, has_capability, hookimpl
+from plugins.backends.cuda_graphs import DecodeGraphs
+
+log = logging.getLogger("servelab")
+
+
+@dataclass
+class TorchBackendConfig(BackendConfig):
+    cuda_graphs: bool | None = None  # None: on for CUDA devices with a capable attention backend
 
 
 class TorchBackend:
-    def __init__(self, config: BackendConfig, model: nn.Module, spec: KVCacheSpec, attention: AttentionBackend,
-                 device: torch.device) -> None:
+    config_class = TorchBackendConfig
+
+    def __init__(self, config: TorchBackendConfig, model: nn.Module, spec: KVCacheSpec, attention: AttentionBackend,
+                 device: torch.device, max_num_seqs: int = 1) -> None:
         if config.num_threads and device.type == "cpu":
             torch.set_num_threads(config.num_threads)
         self.model, self.spec, self.attention, self.device = model, spec, attention, device
+        self.max_num_seqs = max_num_seqs
         self.kv_caches: list[tuple[torch.Tensor, ...]] = []
+        capable = has_capability(attention, "cuda_graphs")
+        if config.cuda_graphs and (device.type != "cuda" or not capable):
+            raise ConfigError("backend.cuda_graphs=true needs a CUDA device and an attention backend with the "
+                              "cuda_graphs capability (attention=triton)")
+        self.use_graphs = capable and device.type == "cuda" if config.cuda_graphs is None else config.cuda_graphs
+        self.graphs: DecodeGraphs | None = None
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self.kv_caches = self.attention.allocate_kv_cache(num_blocks, block_size, self.spec, self.device)
+        if self.use_graphs:
+            t0 = time.perf_counter()
+            self.graphs = DecodeGraphs(self.model, self.attention, self.kv_caches, self.max_num_seqs, block_size,
+                                       self.spec.max_model_len, self.device)
+            self.graphs.capture_all()
+            log.info("captured %d CUDA graphs of decode steps (batch sizes %s) in %.1f s", len(self.graphs.sizes),
+                     self.graphs.sizes, time.perf_counter() - t0)
 
     @torch.inference_mode()
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -28,6 +61,8 @@ class TorchBackend:
 
     @torch.inference_mode()
     def execute(self, batch: ModelInput) -> torch.Tensor:
+        if self.graphs is not None and self.graphs.fits(batch):
+            return self.graphs.run(batch)
         hidden = self.model(batch.input_ids, batch.positions, batch.attn, self.kv_caches, self.attention)
         return self.model.compute_logits(hidden[batch.logits_indices])
 

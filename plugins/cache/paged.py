@@ -12,11 +12,10 @@ and are evicted least-recently-used only when no plain free block is left.
 from __future__ import annotations
 
 import logging
-import os
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-from core.api import CacheConfig, CacheStats, ConfigError, KVCacheSpec, Sequence, hookimpl
+from core.api import CacheConfig, CacheStats, ConfigError, KVCacheSpec, Sequence, hookimpl, kv_memory_budget
 
 log = logging.getLogger("servelab")
 
@@ -24,7 +23,7 @@ log = logging.getLogger("servelab")
 @dataclass
 class PagedCacheConfig(CacheConfig):
     block_size: int = 16
-    memory_utilization: float = 0.2  # like vLLM's gpu_memory_utilization: of the memory available at start
+    memory_utilization: float | None = None  # vLLM's gpu_memory_utilization; None: 0.2 (CPU), 0.9 (GPU)
     enable_prefix_caching: bool = True
 
 
@@ -40,21 +39,12 @@ def chain_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
     return hash((parent, token_ids))
 
 
-def available_memory_bytes() -> int:
-    try:
-        for line in open("/proc/meminfo"):
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-
-
 class PagedAllocator:
     config_class = PagedCacheConfig
     capabilities = frozenset({"fork", "copy_on_write", "truncate", "describe"})
 
-    def __init__(self, config: PagedCacheConfig, spec: KVCacheSpec, max_num_seqs: int) -> None:
+    def __init__(self, config: PagedCacheConfig, spec: KVCacheSpec, max_num_seqs: int, device="cpu",
+                 reserved_bytes: int = 0) -> None:
         self.spec = spec
         self.block_size = config.block_size
         if self.block_size <= 0:
@@ -66,10 +56,11 @@ class PagedAllocator:
             budget, source = config.memory_gb * 1e9, f"cache.memory_gb={config.memory_gb}"
         else:
             frac = config.memory_utilization
+            if frac is None:
+                frac = 0.9 if str(device).startswith("cuda") else 0.2
             if not 0 < frac <= 0.95:
                 raise ConfigError(f"cache.memory_utilization must be in (0, 0.95], got {frac}")
-            budget = frac * available_memory_bytes()
-            source = f"cache.memory_utilization={frac} of {available_memory_bytes() / 1e9:.1f} GB available"
+            budget, source = kv_memory_budget(frac, device, reserved_bytes)
         self.num_blocks = int(budget // bytes_per_block)
         if self.num_blocks < 1:
             raise ConfigError(f"{source} holds no KV block of {self.block_size} tokens ({bytes_per_block} bytes)")

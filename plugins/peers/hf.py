@@ -3,16 +3,27 @@
 This is "reuse the training stack": padded static batches, no KV management of our own. It is a
 peer, not part of the engine: `run` and `compare` hand it the whole workload and it writes the
 same per-request records and step stats servelab's engine does, so it is just another row.
+
+`peer.cache`: `dynamic` (transformers' DynamicCache) or `static` (a StaticCache; transformers then
+compiles the forward with CUDA graphs: its fastest path, and the strongest PyTorch peer on a GPU);
+`auto` is static on CUDA, dynamic on the CPU. Dummy-weight models (`model.load_format=dummy`) are
+built from the same shape with transformers' own random init.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from core.api import DTYPES, ConfigError, PeerConfig, hookimpl, make_record
+from core.api import DTYPES, ConfigError, ModelConfig, PeerConfig, hookimpl, make_record
+
+
+@dataclass
+class HFPeerConfig(PeerConfig):
+    cache: str = "auto"  # auto (static on CUDA, dynamic on the CPU) | dynamic | static
 
 
 class _StepClock:
@@ -33,31 +44,58 @@ class _StepClock:
 
 
 class HFPeer:
-    def __init__(self, config: PeerConfig) -> None:
+    config_class = HFPeerConfig
+
+    def __init__(self, config: HFPeerConfig) -> None:
+        if config.cache not in ("auto", "dynamic", "static"):
+            raise ConfigError(f"peer.cache must be auto, dynamic or static, got '{config.cache}'")
         self.config = config
         self.model = None
+        self.device = torch.device("cpu")
+        self.cache = config.cache
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
 
-    def load(self, model_path: str, dtype: str) -> None:
+    def load(self, model: ModelConfig, path: str, device: torch.device) -> None:
         try:
             import transformers
         except ImportError:
             raise ConfigError("peer=hf needs transformers: pip install -e '.[dev]'") from None
-        p = Path(model_path)
-        kwargs = {"dtype": DTYPES[dtype]}
-        if p.suffix == ".gguf":
-            kwargs["gguf_file"] = p.name
-            p = p.parent
         transformers.logging.set_verbosity_error()
         transformers.utils.logging.disable_progress_bar()
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(str(p), **kwargs).eval()
+        self.device = torch.device(device)
+        dtype = DTYPES[model.dtype]
+        if model.load_format == "dummy":
+            cfg = transformers.AutoConfig.for_model(**{"model_type": "llama", **(model.shape or {})})
+            with torch.device(self.device):
+                self.model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+        else:
+            p, kwargs = Path(path), {"dtype": dtype}
+            if p.suffix == ".gguf":
+                kwargs["gguf_file"] = p.name
+                p = p.parent
+            self.model = transformers.AutoModelForCausalLM.from_pretrained(str(p), **kwargs).eval().to(self.device)
+        if self.cache == "auto":
+            self.cache = "static" if self.device.type == "cuda" else "dynamic"
+
+    def warm_up(self, requests, max_num_seqs: int, pad_token_id: int, n: int) -> None:
+        """A static cache compiles per shape: warm up on the workload's first full batch (its shapes);
+        a dynamic one on `n` short requests."""
+        if self.cache == "static":
+            self.run(sorted(requests, key=lambda r: r.arrival_s)[:max_num_seqs], max_num_seqs, pad_token_id)
+            return
+        from dataclasses import replace
+
+        first = requests[0]
+        self.run([replace(first, index=i, arrival_s=0.0, prompt_token_ids=[pad_token_id] * 16, output_len=4)
+                  for i in range(n)], max_num_seqs, pad_token_id)
 
     def weight_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in {id(p): p for p in self.model.parameters()}.values())
 
     def describe(self) -> str:
-        return "transformers DynamicCache (padded static batches)"
+        kind = "StaticCache, compiled forward" if self.cache == "static" else "DynamicCache"
+        return f"transformers {kind} (padded static batches)"
 
     def _batch(self, batch, pad_token_id: int) -> tuple[list[float], float, int]:
         width = max(len(r.prompt_token_ids) for r in batch)
@@ -68,10 +106,11 @@ class HFPeer:
             mask[i, width - len(r.prompt_token_ids):] = 1
         new = max(r.output_len for r in batch)
         clock = _StepClock()
+        extra = {"cache_implementation": "static"} if self.cache == "static" else {}
         t0 = time.perf_counter()
         with torch.inference_mode():
-            self.model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                                do_sample=False, pad_token_id=pad_token_id, streamer=clock)
+            self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), max_new_tokens=new,
+                                min_new_tokens=new, do_sample=False, pad_token_id=pad_token_id, streamer=clock, **extra)
         return clock.times, t0, int(mask.sum())
 
     def run(self, requests, max_num_seqs: int, pad_token_id: int, progress=None) -> tuple[list[dict], list[dict]]:

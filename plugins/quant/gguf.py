@@ -84,7 +84,7 @@ class GGUFQuantizer:
                     rows = torch.from_numpy(unpermute_qk(np.arange(n)[:, None], heads)[:, 0].copy())
                     q, s, z = q[rows], s[:, rows], z[:, rows]
                 self.kinds[name] = f"{kind} blocks as int4 (group 32)"
-                return Int4Linear(q, s, z, BLOCK, k, bias, None, self.fast)
+                return Int4Linear(q, s, z, BLOCK, k, bias, None, self.fast, device=lin.weight.device)
             self.kinds[name] = f"{kind or 'float'} requantized to int8 per channel"
             return Int8Linear.from_linear(lin, self.fast)
 

@@ -11,7 +11,7 @@ from core.api import AttentionConfig, AttentionMetadata, ConfigError, KVCacheSpe
 
 
 class DenseAttention:
-    def __init__(self, config: AttentionConfig) -> None:
+    def __init__(self, config: AttentionConfig, device=None) -> None:
         self.config = config
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, spec: KVCacheSpec, device) -> list[tuple]:
