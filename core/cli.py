@@ -194,9 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         overrides = expand_sweeps(args.overrides)[0] if getattr(args, "multirun", False) else args.overrides
         cfg = compose(overrides)
-        from core.engine.components import engine_config
-
-        engine_config(cfg)  # type-check every command's config (plugins' own keys included) up front
+        check_before_loading(args.command, cfg)
         return COMMANDS[args.command](args, cfg)
     except ServelabError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -211,6 +209,24 @@ def main(argv: list[str] | None = None) -> int:
         raise
 
 
+def check_before_loading(command: str, cfg: DictConfig) -> None:
+    """Every value a command reads, checked before any model loads: a bad one costs a second, not a load."""
+    from core.engine.components import engine_config
+
+    ec = engine_config(cfg)  # plugins' own keys included
+    run_config(cfg)
+    if command in ("run", "compare", "bench"):
+        from core.bench.driver import workload_config
+        from scenarios.workloads import build_workload
+
+        build_workload(workload_config(cfg), ec.model.max_model_len)  # lengths and arrivals only: no text yet
+    if command in ("serve", "bench"):
+        from core.config.schema import section
+        from core.server.config import ServerConfig, validate
+
+        validate(section(ServerConfig, cfg.get("server"), "server"), cfg.server.served_model_name or ec.model.name)
+
+
 def _is_config_error(e: Exception) -> bool:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
@@ -219,6 +235,15 @@ def _is_config_error(e: Exception) -> bool:
 
 
 def _first_line(e: Exception) -> str:
-    lines = [ln for ln in str(e).splitlines() if ln.strip()]
-    # Hydra puts the useful part (e.g. "Available options in 'scheduler': ...") on later lines.
-    return " ".join(ln.strip() for ln in lines[:3])
+    """Hydra's message in one line, every available option of a group included."""
+    lines = str(e).splitlines()
+    head = [ln.strip() for ln in lines if ln.strip()][:2]
+    for i, ln in enumerate(lines):
+        if ln.startswith("Available options in"):
+            options = []
+            for opt in lines[i + 1:]:
+                if not opt.startswith((" ", "\t")) or not opt.strip():
+                    break
+                options.append(opt.strip())
+            return f"{head[0]}; {ln.strip()} {', '.join(options)}"
+    return " ".join(head)

@@ -18,6 +18,7 @@ import os
 import random
 import time
 
+import gevent
 from locust import HttpUser, events, task
 
 from core.engine.records import make_record
@@ -26,6 +27,7 @@ SPEC = json.loads(open(os.environ["SERVELAB_SCENARIO"]).read())
 ORIGIN = float(os.environ.get("SERVELAB_ORIGIN", "0"))
 RECORDS = open(f"{os.environ['SERVELAB_RECORDS']}.{os.getpid()}", "a", buffering=1)
 _next_request = itertools.count()
+_done = itertools.count(1)  # tasks (requests, or agent tasks) completed in this process
 
 
 def _payload(prompt: str, output_len: int, model: str, messages: list | None = None) -> dict:
@@ -111,15 +113,20 @@ class ServelabUser(HttpUser):
     @task
     def one(self):
         reqs = SPEC["requests"]
+        limit = SPEC.get("max_requests") or 0
         i = next(_next_request)
-        if SPEC.get("max_requests") and i >= SPEC["max_requests"]:
-            time.sleep(0.5)
+        if limit and i >= limit:
+            time.sleep(0.05)  # this user is done; the last task to finish ends the run
             return
         r = reqs[i % len(reqs)]
         if SPEC.get("agent"):
             self._agent(r)
         else:
             self._stream(_payload(r["prompt"], r["output_len"], SPEC["model"]), False, SPEC.get("name", "request"))
+        if limit and next(_done) >= limit and self.environment.runner is not None:
+            # every task issued has finished: stop before the time limit (from a greenlet of its own: quit()
+            # stops the users, this one included, before it would stop the runner)
+            gevent.spawn_later(1.0, self.environment.runner.quit)  # after the last events reach the stats
 
     def _agent(self, r: dict) -> None:
         """A task of many calls: the context grows every turn, with think time between calls; a

@@ -47,3 +47,33 @@ def example_plugin():
         yield servelab_plugin_example
     finally:
         sys.path.remove(str(EXAMPLE))
+
+
+def pytest_collection_modifyitems(config, items):
+    """CUDA-only tests are deselected, not skipped, on a machine without CUDA: a skip must mean a
+    broken install (see pytest_sessionfinish), and this is no install's fault."""
+    if torch.cuda.is_available():
+        return
+    cuda = [item for item in items if item.get_closest_marker("cuda")]
+    if cuda:
+        items[:] = [item for item in items if not item.get_closest_marker("cuda")]
+        config.hook.pytest_deselected(items=cuda)
+        config._servelab_cuda_deselected = len(cuda)
+
+
+def pytest_report_collectionfinish(config):
+    n = getattr(config, "_servelab_cuda_deselected", 0)
+    return [f"{n} CUDA-only tests deselected: this machine has no CUDA device"] if n else []
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    """A skip exits 0 and hides a missing dependency: every dependency is declared, so any skip fails the run."""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    skipped = reporter.stats.get("skipped", []) if reporter else []
+    if skipped and exitstatus == 0:
+        reporter.write_line(f"error: {len(skipped)} tests were skipped; every dependency is declared, so a skip "
+                            "means a broken install:", red=True)
+        for rep in skipped:
+            reporter.write_line(f"  {rep.nodeid}: {rep.longrepr[-1] if isinstance(rep.longrepr, tuple) else rep.longrepr}")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

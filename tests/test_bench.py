@@ -34,7 +34,10 @@ def test_run_writes_a_complete_report(base, tmp_path):
     s = report["summary"]
     assert s["num_requests"] == 6 and s["output_tokens"] == 30
     assert s["ttft_s"]["p50"] <= s["ttft_s"]["p99"]
-    assert 0 < report["roofline"]["fraction_of_roofline"] <= 1.0
+    roof = report["roofline"]  # the floor of the workload actually run, and the run measured against it
+    assert roof["workload_floor"]["time_s"] == max(roof["workload_floor"]["compute_s"], roof["workload_floor"]["memory_s"])
+    # (report.json keeps six decimals: a tiny floor keeps few significant digits)
+    assert roof["fraction_of_roofline"] == pytest.approx(roof["workload_floor"]["time_s"] / s["duration_s"], rel=0.01)
     assert report["machine"]["cores"] >= 1 and report["workload"]["num_requests"] == 6
     assert report["steps"] and all("kv_usage" in st for st in report["steps"])
     md = (out / "report.md").read_text()

@@ -58,3 +58,35 @@ def test_overrides_may_follow_flags():
     assert main(["compare", "workload=fixed", "-v", "no_such_key=1", "run.name=x"]) == 2
     r = run_cli("plugins", "--bogus")
     assert r.returncode == 2 and "unrecognized arguments: --bogus" in r.stderr
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["serve", "server.port=99999"], ["server.port must be in 1..65535, got 99999"]),
+    (["serve", "server.fallback=nope"], ["server.fallback='nope' names no server.models entry"]),
+    (["serve", "server.max_queue=0"], ["server.max_queue must be at least 1"]),
+    (["run", "workload=nope"], ["workload", "chat_longtail, code_longtail, decode_heavy, fixed, long_context, "
+                                "shared_prefix, trace, uniform"]),
+    (["run", "model.max_model_len=1"], ["model.max_model_len must be at least 2", "got 1"]),
+    (["run", "workload.num_requests=0"], ["workload.num_requests must be positive, got 0"]),
+    (["run", "workload.arrival=sometimes"], ["workload.arrival", "'sometimes'"]),
+    (["bench", "server.port=0"], ["server.port must be in 1..65535, got 0"]),
+    (["run", "model.load_format=npz"], ["model.load_format must be auto or dummy, got 'npz'"]),
+    (["run", "model.device=tpu"], ["model.device", "'tpu'"]),
+])
+def test_bad_command_line_values_fail_before_any_model_loads(args, needles):
+    r = run_cli(*args, "run.progress=false", timeout=60)
+    _one_clear_line(r, *needles)
+    assert "KV:" not in r.stdout + r.stderr  # no engine was built (its pool is logged at start-up)
+
+
+def test_compare_checks_every_variant_before_running_the_first(tiny_llama, tmp_path):
+    r = run_cli("compare", f"model.path={tiny_llama}", "workload=fixed", f"run.report_dir={tmp_path}",
+                "-v", "scheduler=static", "-v", "scheduler=continuous scheduler.agin_steps=3")
+    _one_clear_line(r, "unknown key 'agin_steps'")
+    assert "[1/2]" not in r.stdout
+
+
+def test_a_tiny_max_model_len_runs(tiny_llama, tmp_path):
+    r = run_cli("run", f"model.path={tiny_llama}", "model.max_model_len=10", "workload=fixed",
+                "workload.num_requests=3", f"run.report_dir={tmp_path}", "run.progress=false", "run.plots=false")
+    assert r.returncode == 0, r.stderr[-2000:]

@@ -1,6 +1,6 @@
 """The CUDA-only paths: graph capture and replay, the engine on the GPU with the Triton kernels
-compiled for real, device memory sizing. Skipped, with the reason, where there is no CUDA device;
-benchmarks/gpu_run.sh runs them on the GPU machine before the check."""
+compiled for real, device memory sizing. Deselected, with a line saying why, where there is no CUDA
+device (conftest.py); benchmarks/gpu_run.sh runs them on the GPU machine before the check."""
 
 import pytest
 import torch
@@ -8,8 +8,7 @@ import torch
 from core.engine.types import SamplingParams
 from tests.tiny import tiny_config
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (CUDA graphs, "
-                                "compiled Triton kernels, device memory)")
+pytestmark = pytest.mark.cuda  # deselected (with a line saying so) where there is no CUDA device
 PROMPTS = [[5, 17, 99, 3, 42, 8, 61] * 3, [120, 7], list(range(30, 70)), [9] * 33, [11, 12, 13]]
 
 

@@ -20,9 +20,12 @@ def bench(tiny_llama, tmp_path, *overrides, timeout=240):
 
 
 def test_short_scenario_records_every_request(tiny_llama, tmp_path):
-    rep = bench(tiny_llama, tmp_path, "scenario.duration_s=6", "scenario.users=4", "scenario.rate_per_user=2")
+    # ten requests, however long they take: the run ends when the last one has (the time limit is a backstop)
+    rep = bench(tiny_llama, tmp_path, "scenario.duration_s=120", "scenario.max_requests=10", "scenario.users=4",
+                "scenario.rate_per_user=2")
     reqs = rep["requests"]
-    assert len(reqs) >= 8 and rep["summary"]["failures"] == 0
+    assert len(reqs) == 10 and rep["summary"]["failures"] == 0
+    assert rep["server_metrics"]["smollm2-135m"]["requests"] == 10 + 1  # and the server counted them (+ warm-up)
     for r in reqs:
         assert r["error"] is None and r["num_output_tokens"] == 8 and r["num_prompt_tokens"] > 0
         assert 0 < r["ttft_s"] <= r["e2e_s"] and len(r["itl_s"]) >= 1
@@ -32,19 +35,23 @@ def test_short_scenario_records_every_request(tiny_llama, tmp_path):
     assert (tmp_path / "b" / "report.md").read_text().startswith("# servelab run")
 
 
-def test_agent_scenario_retries_and_falls_back(tiny_llama, tmp_path):
+def test_agent_scenario_retries_and_falls_back_to_a_model_of_its_own(tiny_llama, tmp_path):
     # one running sequence and a queue of one: concurrent agents get 429s and retry; long answers hit
-    # the server's request timeout, and the retry goes to the fallback model name
-    rep = bench(tiny_llama, tmp_path, "scenario=agent", "scenario.duration_s=8", "scenario.users=6",
-                "scheduler.max_num_seqs=1", "server.max_queue=1", "server.request_timeout_s=0.4",
-                "model.max_model_len=1024", "workload.output_len=300", "scenario.agent.tool_result_chars=10",
+    # the server's request timeout, and the retry goes to the fallback model, served beside the main one
+    rep = bench(tiny_llama, tmp_path, "scenario=agent", "scenario.duration_s=120", "scenario.max_requests=8",
+                "scenario.users=6", "scheduler.max_num_seqs=1", "server.max_queue=1", "server.request_timeout_s=0.4",
+                'server.models={backup:["scheduler.max_num_seqs=4"]}', "model.max_model_len=1024",
+                "workload.output_len=300", "scenario.agent.tool_result_chars=10",
                 "scenario.agent.fallback_model=backup", "scenario.agent.retries=3")
     reqs = rep["requests"]
     errors = [r["error"] or "" for r in reqs]
     assert any("429" in e for e in errors)  # the queue guard rail pushed back
     assert any("timeout" in e.lower() for e in errors)  # the server gave up on a long answer
-    assert any(r["model"] == "backup" for r in reqs)  # and retried on the fallback model name
+    on_backup = [r for r in reqs if r["model"] == "backup"]
+    assert on_backup  # and retried on the fallback model
     assert rep["summary"]["failures"] == sum(1 for e in errors if e)
+    served = rep["server_metrics"]["backup"]["requests"]  # every request sent there landed there (+ its warm-up)
+    assert served >= 1 + sum(1 for r in on_backup if not r["error"])
 
 
 def test_a_users_sweep_makes_one_curve_report(tiny_llama, tmp_path):

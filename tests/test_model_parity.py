@@ -17,7 +17,7 @@ def _record_logits(engine):
     accept = engine.decoder.accept
 
     def recording(logits, scheduled, proposals):
-        for row, s in zip(logits, [s for s in scheduled if s.needs_sample]):
+        for row, s in zip(logits, scheduled):
             seen.setdefault(s.seq.request_id, []).append(row.clone())
         return accept(logits, scheduled, proposals)
 
@@ -58,10 +58,20 @@ def test_batch_composition_does_not_change_greedy_output(tiny_llama):
     assert together == alone
 
 
-def test_bf16_model_runs_and_mostly_agrees(tiny_llama):
+def test_bf16_logits_stay_within_bf16_rounding_of_fp32(tiny_llama):
+    """bf16 weights, activations and KV against transformers in fp32 along the same tokens. Measured:
+    max |diff| 0.13-0.16 and mean 0.023-0.029 on logits of magnitude ~6; the bounds leave 2.5x."""
+    import transformers
+
     cfg = tiny_config(tiny_llama)
     cfg.model.dtype = "bf16"
     engine = Engine(cfg)
     assert engine.backend.kv_caches[0][0].dtype == torch.bfloat16
-    out = engine.generate(PROMPTS, SamplingParams(max_tokens=4, ignore_eos=True))
-    assert all(len(o.outputs[0].token_ids) == 4 for o in out)
+    seen = _record_logits(engine)
+    outs = engine.generate(PROMPTS, SamplingParams(max_tokens=12, ignore_eos=True))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    for prompt, out in zip(PROMPTS, outs):
+        with torch.no_grad():
+            ref = hf(torch.tensor([prompt + out.outputs[0].token_ids])).logits[0, len(prompt) - 1:-1]
+        diff = (torch.stack(seen[out.request_id]) - ref).abs()
+        assert diff.max().item() <= 0.4 and diff.mean().item() <= 0.06, (diff.max().item(), diff.mean().item())

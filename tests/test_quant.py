@@ -149,10 +149,16 @@ def test_int8_kv_cache_doubles_capacity_and_serves(tiny_dirs):
     assert small.kv_spec.bytes_per_token / full.kv_spec.bytes_per_token == pytest.approx((16 + 2) / 64)
     assert small.allocator.num_blocks / full.allocator.num_blocks == pytest.approx(64 / 18, rel=0.01)
     assert small.backend.kv_caches[0][0].dtype == torch.int8 and len(small.backend.kv_caches[0]) == 4
-    params = SamplingParams(max_tokens=8, ignore_eos=True)
-    a = full.generate([[5, 6, 7, 8, 9] * 3], params)[0].outputs[0].token_ids
-    b = small.generate([[5, 6, 7, 8, 9] * 3], params)[0].outputs[0].token_ids
-    assert len(b) == 8 and a[:2] == b[:2]  # a random tiny model drifts apart later; the real model is in `eval`
+    # teacher-forced logits through each cache (measured: max |diff| 0.09, mean 0.013 on logits of ~6)
+    from core.model.quantize import forward_prompt
+
+    ids = [5, 6, 7, 8, 9] * 3 + list(range(20, 40))
+    a = forward_prompt(full.model, ids, full.attention, full.kv_spec)
+    b = forward_prompt(small.model, ids, small.attention, small.kv_spec)
+    diff = (a - b).abs()
+    assert diff.max().item() <= 0.25 and diff.mean().item() <= 0.03, (diff.max().item(), diff.mean().item())
+    out = small.generate([ids[:15]], SamplingParams(max_tokens=8, ignore_eos=True))[0].outputs[0].token_ids
+    assert len(out) == 8 and small.allocator.stats().num_free_blocks == small.allocator.num_blocks
 
 
 @pytest.mark.parametrize("bits", [8, 4])

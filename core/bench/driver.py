@@ -86,5 +86,6 @@ def drive_engine(engine: Engine, workload: Workload, progress: bool = True):
 
 def warm_up(engine: Engine, n: int) -> None:
     """Run a few small requests first so one-time costs (allocations, kernels) are not measured."""
-    if n > 0:
-        engine.generate([[engine.tokenizer.eos_token_id or 0] * 16] * n, SamplingParams(max_tokens=4, ignore_eos=True))
+    if n > 0:  # short enough for any max_model_len
+        length = max(1, min(16, engine.max_model_len // 2))
+        engine.generate([[engine.tokenizer.eos_token_id or 0] * length] * n, SamplingParams(max_tokens=4, ignore_eos=True))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -152,6 +153,24 @@ def _stages(sc: ScenarioConfig) -> list[tuple[int, float]]:
     return [(users, sc.rate_per_user) for users in (sc.ramp or [sc.users])]
 
 
+def server_metrics(url: str, api_key: str | None) -> dict:
+    """Per served model, what the target's own /metrics counted (servelab's and vLLM's names alike):
+    finished requests by reason and generated tokens. Empty if the target exports none."""
+    import httpx
+
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    out: dict[str, dict] = {}
+    for name, labels, value in re.findall(r"^(?:servelab|vllm):(request_success_total|generation_tokens_total)"
+                                          r"\{([^}]*)\} ([0-9.e+-]+)$", text, re.M):
+        lab = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+        model = out.setdefault(lab.get("model_name", "?"), {"requests": 0.0, "generation_tokens": 0.0})
+        model["requests" if name.startswith("request") else "generation_tokens"] += float(value)
+    return out
+
+
 def _stage_result(cfg, sc: ScenarioConfig, rc, url: str, workload, users: int, rate: float, records, wall) -> dict:
     ok = [r for r in records if not r["error"]]
     summary = summarize(ok, wall, [], rc.slo_ttft_s, rc.slo_tpot_s)
@@ -191,6 +210,7 @@ def run_bench(cfg: DictConfig, overrides: list[str]) -> int:
             records, wall = run_locust({**spec, "rate_per_user": rate}, url, users, max(sc.spawn_rate, users),
                                        sc.stage_s if len(stages) > 1 else sc.duration_s, out, tag, tc.workers)
             results.append(_stage_result(cfg, sc, rc, url, workload, users, rate, records, wall))
+        results[-1]["server_metrics"] = server_metrics(url, tc.api_key)  # cumulative over the stages
         if len(results) == 1:
             report.write_run(results[0], name, rc)
         else:

@@ -121,9 +121,19 @@ def run_markdown(result: dict, plots: list[str]) -> str:
         _roofline_md(result["roofline"], s, result["machine"].get("device")) if result.get("roofline") else "- not measured: the target is a server "
         "this process does not run (see its own metrics)", "",
     ]
+    lines += server_metrics_md(result.get("server_metrics"))
     if plots:
         lines += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
     return "\n".join(lines)
+
+
+def server_metrics_md(metrics: dict | None) -> list[str]:
+    """What the server itself counted per model (warm-ups included), beside the client's records."""
+    if not metrics:
+        return []
+    rows = [[m, f"{v['requests']:.0f}", f"{v['generation_tokens']:.0f}"] for m, v in sorted(metrics.items())]
+    return ["## What the server counted, per model (its /metrics)", "",
+            _md_table(["model_name", "finished requests", "generated tokens"], rows), ""]
 
 
 def _ratio(a, b) -> str:
@@ -214,6 +224,7 @@ def curve_markdown(results: list[dict], plots: list[str], knee: dict | None) -> 
     lines = [f"# servelab load curve: {results[0]['label'].split(' users=')[0]}", "",
              f"- target: {results[0].get('target')}", "", _workload_md(results[0]["workload"]), "",
              "## Throughput against latency", "", _md_table(head, rows), "", verdict, ""]
+    lines += server_metrics_md(results[-1].get("server_metrics"))
     if plots:
         lines += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
     return "\n".join(lines)

@@ -51,8 +51,8 @@ def default_run_name(ec: EngineConfig, wc: WorkloadConfig, peer: PeerConfig | No
 
 
 def measure_engine(ec: EngineConfig, wc: WorkloadConfig, warmup: int, progress: bool) -> Measured:
+    workload = build_workload(wc, ec.model.max_model_len)  # a bad workload fails before the model loads
     engine = Engine(ec)
-    workload = build_workload(wc, ec.model.max_model_len)
     materialize(workload, engine.tokenizer)
     warm_up(engine, warmup)
     base = engine.allocator.stats()
@@ -140,6 +140,9 @@ def run_benchmark(cfg: DictConfig) -> int:
 
 def compare(base_overrides: list[str], variants: list[list[str]], labels: list[str] | None, name: str | None) -> int:
     """Run each variant (base overrides + its own) on the same workload; one comparison report."""
+    for var in variants:  # every variant checked before the first one runs
+        cfg = compose(base_overrides + var)
+        engine_config(cfg), workload_config(cfg), peer_config(cfg)
     results = []
     for i, var in enumerate(variants):
         cfg = compose(base_overrides + var)

@@ -3,8 +3,8 @@
 `scheduler=sjf`, where no conf/scheduler/sjf.yaml exists, becomes `scheduler.name=sjf`, so a
 third-party component is chosen by name like an in-repo one. Its section keeps the keys every
 scheduler has (the base dataclass's) and whatever the command line sets (`scheduler.max_wait_batches=2`,
-no `+` needed); the default component's own keys are dropped. An unknown name is reported later,
-by the registry, with the names that do exist.
+no `+` needed); the default component's own keys are dropped. An unknown name, or a key the plugin
+does not have, is reported later, by the registry, with the names or keys that do exist.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from importlib import resources
 from omegaconf import DictConfig, open_dict
 
 from core.config.schema import BASE_CONFIGS, COMPONENT_KINDS
+
+OPEN_MAPS = ("server.models", "server.pools")  # maps whose keys are the user's to name: no `+` needed
 
 
 def group_options(group: str) -> set[str]:
@@ -33,9 +35,12 @@ def rewrite_component_overrides(overrides: list[str]) -> tuple[list[str], set[st
             ov = f"{key}.name={value}"
         out.append(ov)
 
-    def forced(ov: str) -> str:  # a key new to the default's section: add it or override it
+    def forced(ov: str) -> str:
+        """A component's key (even one its conf file lacks: the plugin's dataclass judges it, naming the
+        valid keys) or an open map's: add it or override it."""
         key = ov.partition("=")[0]
-        return f"++{ov}" if "." in key and key.split(".", 1)[0] in by_name and not ov.startswith(("+", "~")) else ov
+        new_key = "." in key and key.split(".", 1)[0] in COMPONENT_KINDS or key.startswith(OPEN_MAPS)
+        return f"++{ov}" if new_key and not ov.startswith(("+", "~")) else ov
 
     return [forced(ov) for ov in out], by_name
 

@@ -53,8 +53,10 @@ def validate(ec: EngineConfig) -> None:
         raise ConfigError(f"cache.dtype must be auto or int8, got '{ec.cache.dtype}'")
     if ec.model.dtype not in DTYPE_NAMES:
         raise ConfigError(f"model.dtype must be one of {', '.join(DTYPE_NAMES)}, got '{ec.model.dtype}'")
-    for name, value in (("model.max_model_len", ec.model.max_model_len),
-                        ("scheduler.max_num_seqs", ec.scheduler.max_num_seqs),
+    if ec.model.max_model_len < 2:
+        raise ConfigError(f"model.max_model_len must be at least 2 (a prompt token and an output token), got "
+                          f"{ec.model.max_model_len}")
+    for name, value in (("scheduler.max_num_seqs", ec.scheduler.max_num_seqs),
                         ("scheduler.max_num_batched_tokens", ec.scheduler.max_num_batched_tokens)):
         if value <= 0:
             raise ConfigError(f"{name} must be positive, got {value}")

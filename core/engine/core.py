@@ -33,6 +33,7 @@ class EngineCore:
         self.pending_forks: dict[int, list[Sequence]] = {}  # parent seq id -> samples not yet forked
         self.step_count = 0
         self.last_stats: StepStats | None = None
+        self.name = ""  # the engine's name, stamped on its step stats
 
     def add(self, seqs: list[Sequence]) -> None:
         """A request's sequences. With an allocator that can fork, the n samples share one prefill:
@@ -80,6 +81,7 @@ class EngineCore:
         self.step_count += 1
         stats.step, stats.time, stats.duration_s = self.step_count, now, now - started
         stats.num_running, stats.num_waiting = self.scheduler.num_running, self.scheduler.num_waiting
+        stats.engine = self.name
         self._cache_stats(stats)
         self.last_stats = stats
         self.hooks.servelab_step_finished(step_stats=stats)

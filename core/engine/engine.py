@@ -34,6 +34,16 @@ class Engine:
         self.core = EngineCore(parts.scheduler, parts.allocator, parts.backend, parts.decoder, parts.runner,
                                self.hooks)
         self.output = OutputProcessor(self.tokenizer)
+        self.name = config.model.name
+
+    @property
+    def name(self) -> str:
+        """What the observers see this engine as (the server sets its served model name)."""
+        return self.core.name
+
+    @name.setter
+    def name(self, value: str) -> None:
+        self.core.name = value
 
     @property
     def requests(self) -> dict[str, RequestState]:
@@ -113,7 +123,7 @@ class Engine:
     def _retire(self, state: RequestState) -> None:
         self.output.pop(state.request_id)
         self.hooks.servelab_request_finished(request_id=state.request_id, sequences=state.seqs,
-                                             records=[sequence_record(s) for s in state.seqs])
+                                             records=[sequence_record(s) for s in state.seqs], engine=self.name)
 
     # ---- convenience ------------------------------------------------------------------------
 

@@ -69,11 +69,12 @@ def servelab_peers() -> dict:
 
 
 @hookspec
-def servelab_request_finished(request_id: str, sequences: list, records: list) -> None:
-    """Observer: a request ended. `records` holds one `core.engine.records.RequestRecord` per
-    sequence (absolute times: origin 0)."""
+def servelab_request_finished(request_id: str, sequences: list, records: list, engine: str) -> None:
+    """Observer: a request ended (finished or aborted). `records` holds one
+    `core.engine.records.RequestRecord` per sequence (absolute times: origin 0); `engine` names
+    the engine (its served model name), for processes that run several."""
 
 
 @hookspec
 def servelab_step_finished(step_stats) -> None:
-    """Observer: an engine step ended, with its `core.engine.types.StepStats`."""
+    """Observer: an engine step ended, with its `core.engine.types.StepStats` (`.engine` names it)."""

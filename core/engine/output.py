@@ -2,7 +2,9 @@
 
 It owns everything textual about a request (vLLM V1's OutputProcessor); the engine core never
 sees text. When a stop string appears it reports the sequence, and the engine ends it through
-the scheduler, so sequence state keeps its one writer.
+the scheduler, so sequence state keeps its one writer. While a sequence runs, a delta holds back
+the end of its text that could still begin a stop string, so the streamed text is always the
+final text, never a stop string's first half.
 """
 
 from __future__ import annotations
@@ -12,6 +14,17 @@ from dataclasses import dataclass, field
 from core.engine.types import CompletionOutput, RequestOutput, Sequence, SequenceStatus
 
 
+def stop_prefix_holdback(text: str, stops: list[str]) -> int:
+    """Length of the longest end of `text` that is the beginning of a stop string (0: none)."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best
+
+
 @dataclass
 class Detokenized:
     """Incremental detokenization state of one sequence (vLLM's prefix/read offsets)."""
@@ -19,6 +32,7 @@ class Detokenized:
     text: str = ""
     prefix_offset: int = 0
     read_offset: int = 0
+    sent: int = 0  # characters of `text` already handed out as deltas
 
 
 @dataclass
@@ -80,8 +94,11 @@ class OutputProcessor:
                 cut, hit = min(hits)
                 full = full[:cut]
         d.text = full
+        done = hit is not None or seq.is_finished
+        upto = len(full) if done or not stops else len(full) - stop_prefix_holdback(full, stops)
         prev_text, prev_ids = state.deltas.get(seq.index, ("", []))
-        state.deltas[seq.index] = (prev_text + full[old_len:], prev_ids + list(tokens))
+        state.deltas[seq.index] = (prev_text + full[d.sent:upto], prev_ids + list(tokens))
+        d.sent = max(d.sent, upto)
         return hit
 
     def output(self, state: RequestState) -> RequestOutput:

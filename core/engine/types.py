@@ -249,6 +249,7 @@ class StepStats:
     num_sampled: int = 0  # rows that went through lm_head
     kv_tokens_read: int = 0  # sum of the batch's context lengths: KV read per layer
     attn_pairs: float = 0.0  # query-key pairs attended (sum over seqs of q * (ctx - (q - 1) / 2))
+    engine: str = ""  # the engine's name (its served model name)
 
 
 @dataclass

@@ -23,11 +23,11 @@ from pydantic import BaseModel, ValidationError
 from core.config.compose import compose
 from core.config.schema import section
 from core.engine.async_engine import AsyncEngine
-from core.engine.components import engine_config
+from core.engine.components import engine_config, resolve_device
 from core.engine.engine import Engine
 from core.engine.types import SamplingParams
 from core.server import protocol
-from core.server.config import ServerConfig
+from core.server.config import ServerConfig, validate
 from core.server.guards import OpenAIError
 from core.server.handler import Server
 from core.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -36,7 +36,7 @@ log = logging.getLogger("servelab")
 
 
 def error(e: OpenAIError) -> JSONResponse:
-    return JSONResponse(protocol.error_body(e.message, e.kind, e.param, e.status), status_code=e.status,
+    return JSONResponse(protocol.error_body(e.message, e.kind, e.param, e.code), status_code=e.status,
                         headers=e.headers)
 
 
@@ -52,9 +52,9 @@ async def warm_up(e: AsyncEngine) -> None:
 
 async def parse(server: Server, request: Request, model: type[BaseModel]):
     """The body, size-checked, parsed once into its typed model (an OpenAI 400 if it does not fit)."""
-    server.guards.check_body_size(int(request.headers.get("content-length") or 0))
+    server.guards.check_body_size(int(request.headers.get("content-length") or 0), server.main)
     raw = await request.body()
-    server.guards.check_body_size(len(raw))
+    server.guards.check_body_size(len(raw), server.main)
     try:
         return model.model_validate_json(raw or b"{}")
     except ValidationError as e:
@@ -100,19 +100,18 @@ def add_info_routes(app: FastAPI, server: Server) -> None:
     @app.get("/v1/models")
     async def models(request: Request):
         try:
-            server.guards.check_auth(request.headers)
+            server.guards.check_auth(request.headers, server.main)
         except OpenAIError as e:
             return error(e)
-        names = [(server.model_name, server.engine)]
-        if server.fallback is not None:
-            names.append((f"{server.model_name}:fallback", server.fallback.engine))
         return {"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "servelab",
-                                            "max_model_len": e.max_model_len} for n, e in names]}
+                                            "max_model_len": e.engine.max_model_len, "root": e.engine.loaded.source}
+                                           for n, e in server.engines.items()]}
 
     @app.get("/health")
     async def health():
-        if server.async_engine.error is not None:
-            return JSONResponse({"status": "error", "error": str(server.async_engine.error)}, status_code=500)
+        failed = {n: str(e.error) for n, e in server.engines.items() if e.error is not None}
+        if failed:
+            return JSONResponse({"status": "error", "error": failed}, status_code=500)
         return {"status": "ok"}
 
     @app.get("/ready")
@@ -129,13 +128,13 @@ def add_info_routes(app: FastAPI, server: Server) -> None:
 def build_app(server: Server) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        for e in server.engines:
+        for e in server.engines.values():
             e.start(asyncio.get_running_loop())
             if server.cfg.warmup:
                 await warm_up(e)
         server.ready = True
         yield
-        for e in server.engines:
+        for e in server.engines.values():
             e.stop()
 
     app = FastAPI(title="servelab", version="0.1.0", lifespan=lifespan)
@@ -144,13 +143,33 @@ def build_app(server: Server) -> FastAPI:
     return app
 
 
+def engine_configs(cfg, overrides: list[str], sc: ServerConfig) -> dict:
+    """Served name -> engine config: the main model, then each `server.models` entry (its overrides
+    on top of the command line's). Several engines share the memory: an engine whose pool size is
+    not set gets an equal share of the default utilization."""
+    main = sc.served_model_name or engine_config(cfg).model.name
+    validate(sc, main)
+    configs = {main: engine_config(cfg)}
+    for name, extra in sc.models.items():
+        configs[name] = engine_config(compose(list(overrides) + list(extra)))
+    for ec in configs.values():
+        cache = ec.cache
+        if len(configs) > 1 and getattr(cache, "memory_utilization", 0) is None and cache.memory_gb is None:
+            default = 0.9 if resolve_device(ec.model.device).type == "cuda" else 0.2
+            cache.memory_utilization = round(default / len(configs), 4)
+    return configs
+
+
 def serve(cfg, overrides: list[str]) -> int:
     import uvicorn
 
     sc = section(ServerConfig, cfg.get("server"), "server")
-    engine = Engine(engine_config(cfg))
-    fallback = Engine(engine_config(compose(list(overrides) + list(sc.fallback)))) if sc.fallback else None
-    server = Server(engine, sc, fallback)
-    log.info("serving %s on http://%s:%d", server.model_name, sc.host, sc.port)
+    engines = {name: Engine(ec) for name, ec in engine_configs(cfg, overrides, sc).items()}
+    if len(engines) > 1:
+        log.info("serving %d models in one process: %s", len(engines), "; ".join(
+            f"{n}: {e.allocator.num_blocks * e.allocator.block_size * e.kv_spec.bytes_per_token / 1e9:.2f} GB KV"
+            for n, e in engines.items()))
+    server = Server(engines, sc)
+    log.info("serving %s on http://%s:%d", ", ".join(engines), sc.host, sc.port)
     uvicorn.run(build_app(server), host=sc.host, port=sc.port, log_level="warning")
     return 0

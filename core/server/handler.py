@@ -39,31 +39,51 @@ class Call:
 
 
 class Server:
-    def __init__(self, engine: Engine, cfg: ServerConfig, fallback: Engine | None = None) -> None:
-        self.engine, self.cfg = engine, cfg
-        self.model_name = cfg.served_model_name or engine.config.model.name
-        self.metrics = ServerMetrics(self.model_name)
-        engine.registry.pm.register(self.metrics)
-        self.async_engine = AsyncEngine(engine)
-        # while degraded, new requests go to the fallback engine (smaller or quantized), if one is configured
-        self.fallback = AsyncEngine(fallback) if fallback is not None else None
-        self.guards = Guards(cfg, self.metrics, cfg.max_input_tokens or engine.max_model_len - 1)
+    """One process, one or more served models, each its own engine (thread) and KV pool."""
+
+    def __init__(self, engines: dict[str, Engine], cfg: ServerConfig) -> None:
+        self.cfg = cfg
+        self.main = next(iter(engines))  # the first is the main model: requests that name none get it
+        self.metrics = ServerMetrics()
+        self.engines: dict[str, AsyncEngine] = {}
+        for name, engine in engines.items():
+            engine.name = name  # what its observer listens for
+            engine.registry.pm.register(self.metrics.observer(name))
+            self.engines[name] = AsyncEngine(engine)
+        self.guards = Guards(cfg, self.metrics, self.main)
         self.ready = False
 
     @property
-    def engines(self) -> list[AsyncEngine]:
-        return [e for e in (self.async_engine, self.fallback) if e is not None]
+    def engine(self) -> Engine:
+        return self.engines[self.main].engine
+
+    def max_input(self, name: str) -> int:
+        return self.cfg.max_input_tokens or self.engines[name].engine.max_model_len - 1
 
     def observe_load(self) -> None:
-        """Feed the degradation switch and the pool gauges (called per request and per scrape)."""
-        stats = self.async_engine.kv_stats()
-        self.guards.degradation.update(self.async_engine.num_waiting, stats.usage)
-        self.metrics.set_pool(stats)
+        """Live gauges of every engine, and the degradation switch of the main one (called per request
+        and per scrape, so an idle server's metrics are current too)."""
+        for name, e in self.engines.items():
+            stats = e.kv_stats()
+            self.metrics.set_live(name, e.engine.scheduler.num_running, e.num_waiting, stats)
+            if name == self.main:
+                self.guards.degradation.update(e.num_waiting, stats.usage)
+
+    def route(self, requested: str | None, pool: int | str | None) -> str:
+        """The served model a request goes to: its pool's model, else the one it names (404 if none
+        is served by that name); the main model's requests go to the fallback while degraded."""
+        name = pool if isinstance(pool, str) else (requested or self.main)
+        if name not in self.engines:
+            raise OpenAIError(404, f"The model '{name}' does not exist; served: {', '.join(self.engines)}",
+                              param="model", code="model_not_found")
+        if name == self.main and self.cfg.fallback and self.guards.degradation.on:
+            self.metrics.fallback.labels(self.main).inc()
+            return self.cfg.fallback
+        return name
 
     # ---- request handling ----------------------------------------------------------------
 
-    def _prompts(self, req: CompletionRequest | ChatCompletionRequest) -> list[list[int]]:
-        tok = self.engine.tokenizer
+    def _prompts(self, req: CompletionRequest | ChatCompletionRequest, tok) -> list[list[int]]:
         if isinstance(req, ChatCompletionRequest):
             if not req.messages:
                 raise OpenAIError(400, "messages must be a non-empty list", param="messages")
@@ -72,34 +92,29 @@ class Server:
             except RequestError as e:
                 raise OpenAIError(400, f"bad messages: {e}", param="messages") from None
         p = req.prompt
-        if isinstance(p, str):
+        if isinstance(p, str) and p:
             return [tok.encode(p)]
-        if p and all(isinstance(x, str) for x in p):
+        if p and all(isinstance(x, str) and x for x in p):
             return [tok.encode(x) for x in p]
         if p and all(isinstance(x, int) for x in p):
             return [list(p)]
-        if p and all(isinstance(x, list) for x in p):
+        if p and all(isinstance(x, list) and x for x in p):
             return [list(x) for x in p]
-        raise OpenAIError(400, "prompt must be a string, a list of strings, or token ids", param="prompt")
-
-    def _target(self) -> tuple[AsyncEngine, str]:
-        if self.fallback is not None and self.guards.degradation.on:
-            return self.fallback, f"{self.model_name}:fallback"
-        return self.async_engine, self.model_name
+        raise OpenAIError(400, "prompt must be a non-empty string, list of strings, or token ids", param="prompt")
 
     async def start_call(self, req: CompletionRequest | ChatCompletionRequest, headers) -> Call:
         chat = isinstance(req, ChatCompletionRequest)
-        self.guards.check_auth(headers)
+        self.guards.check_auth(headers, self.main)
+        pool = self.guards.pool(headers)
+        name = self.route(req.model, pool)
+        target = self.engines[name]
         try:
             params = req.params()
         except RequestError as e:
             raise OpenAIError(400, str(e)) from None
-        prompts = self._prompts(req)
-        self.guards.admit(prompts, self.async_engine.num_waiting)
-        priority = self.guards.priority(req.priority, headers)
-        target, model = self._target()
-        if target is self.fallback:
-            self.metrics.fallback.labels(self.model_name).inc(len(prompts))
+        prompts = self._prompts(req, target.engine.tokenizer)
+        self.guards.admit(prompts, target.num_waiting, self.max_input(name), name)
+        priority = pool if isinstance(pool, int) else int(req.priority or 0)
         queue: asyncio.Queue = asyncio.Queue()
         rids = []
         for i, ids in enumerate(prompts):
@@ -108,10 +123,10 @@ class Server:
             except RequestError as e:
                 for r in rids:
                     target.abort(r)
-                self.metrics.reject("invalid")
-                raise OpenAIError(400, str(e)) from None
+                self.metrics.reject(name, "invalid")
+                raise OpenAIError(400, str(e), param="prompt") from None
             rids.append(rid)
-        return Call(chat, params, target, model, rids, queue, ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
+        return Call(chat, params, target, name, rids, queue, ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24],
                     int(time.time()), time.monotonic() + self.cfg.request_timeout_s)
 
     async def _next(self, call: Call, is_disconnected: Callable[[], Awaitable[bool]] | None) -> tuple[int, RequestOutput]:
@@ -120,7 +135,7 @@ class Server:
         while True:
             left = call.deadline - time.monotonic()
             if left <= 0:
-                self.metrics.reject("timeout")
+                self.metrics.reject(call.model, "timeout")
                 raise TimeoutError
             try:
                 tag, out = await asyncio.wait_for(call.queue.get(), min(left, 0.5) if is_disconnected else left)
@@ -147,10 +162,10 @@ class Server:
                     call.target.abort(rid)
         return protocol.response([finals[i] for i in range(len(call.rids))], call.params.n,
                                  call.params.logprobs is not None, call.chat, call.id, call.created, call.model,
-                                 self.engine.tokenizer)
+                                 call.target.engine.tokenizer)
 
     async def stream(self, call: Call, include_usage: bool) -> AsyncIterator[str]:
-        tok, n = self.engine.tokenizer, call.params.n
+        tok, n = call.target.engine.tokenizer, call.params.n
         finals: dict[int, RequestOutput] = {}
         sent_logprobs: dict[tuple, int] = {}
 
@@ -168,7 +183,7 @@ class Server:
                     yield protocol.sse(protocol.error_body("request timed out", "timeout_error", None, 504))
                     return
                 except OpenAIError as e:  # the engine stopped mid-stream
-                    yield protocol.sse(protocol.error_body(e.message, e.kind, None, e.status))
+                    yield protocol.sse(protocol.error_body(e.message, e.kind, None, e.code))
                     return
                 choices = protocol.delta_choices(out, tag, n, call.chat, tok, call.params.logprobs is not None,
                                                  sent_logprobs)

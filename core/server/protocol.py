@@ -8,9 +8,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
-from core.engine.types import RequestOutput, SamplingParams
+from core.engine.types import MAX_N, RequestOutput, SamplingParams
+
+MAX_LOGPROBS = 20  # vLLM's max_logprobs default
 
 
 class StreamOptions(BaseModel):
@@ -22,26 +24,27 @@ class GenerationRequest(BaseModel):
     """Fields both endpoints share (unknown OpenAI fields are accepted and ignored)."""
 
     model_config = ConfigDict(extra="allow")
-    model: str | None = None
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    n: int | None = None
+    model: str | None = None  # a served model (see /v1/models); None: the main one
+    max_tokens: int | None = Field(None, ge=1)  # None: 16
+    temperature: float | None = Field(None, ge=0, le=2)  # None: 1
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)  # 0 or -1: no top-k filter (vLLM accepts both)
+    n: int | None = Field(None, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, lt=2**63)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     priority: int | None = None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """Raises RequestError on an out-of-range value."""
+        """Raises RequestError on a value the engine refuses."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
-            max_tokens=max_tokens or 16, temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0, seed=self.seed, n=self.n or 1,
-            stop=stop, ignore_eos=self.ignore_eos, logprobs=logprobs,
+            max_tokens=16 if max_tokens is None else max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p, top_k=max(self.top_k or 0, 0), seed=self.seed,
+            n=1 if self.n is None else self.n, stop=stop, ignore_eos=self.ignore_eos, logprobs=logprobs,
         )
 
     @property
@@ -53,7 +56,7 @@ class CompletionRequest(GenerationRequest):
     """The body of /v1/completions."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     def params(self) -> SamplingParams:
         return self.sampling_params(self.max_tokens, self.logprobs)
@@ -81,13 +84,13 @@ class ChatCompletionRequest(GenerationRequest):
     """The body of /v1/chat/completions."""
 
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     def params(self) -> SamplingParams:
-        return self.sampling_params(self.max_completion_tokens or self.max_tokens,
-                                    (self.top_logprobs or 0) if self.logprobs else None)
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        return self.sampling_params(max_tokens, (self.top_logprobs or 0) if self.logprobs else None)
 
 
 # ---- responses ---------------------------------------------------------------------------------
@@ -172,6 +175,6 @@ def delta_choices(out: RequestOutput, sub: int, n: int, chat: bool, tokenizer, w
     return choices
 
 
-def error_body(message: str, kind: str, param: str | None, status: int) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+def error_body(message: str, kind: str, param: str | None, code) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
