@@ -8,14 +8,16 @@ with fp16 scales [num_blocks, num_kv_heads, block_size], one per token and head.
 
 Decode queries (one token per sequence) are computed together over the packed blocks of all
 their sequences, with no padding: scores per block, a softmax over each sequence's segment of
-blocks, then the weighted values summed per sequence. Prefill chunks go one sequence at a time
-through scaled_dot_product_attention with a causal mask offset by the cached prefix.
+blocks, then the weighted values summed per sequence. Prefill chunks go together through one
+scaled_dot_product_attention over a padded batch, with a causal mask offset by each cached prefix.
 
 Every function takes tensors (plus optional host copies a caller already has), so a Triton twin
 can take the same arguments.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -105,37 +107,84 @@ def decode_attention(
     return (out / denom[..., None]).view(b, num_heads, d)
 
 
-def _seq_kv(cache: torch.Tensor, table: torch.Tensor, length: int, scales: torch.Tensor | None,
-            dtype: torch.dtype) -> torch.Tensor:
-    """One sequence's first `length` cached tokens as [kv_heads, length, head_dim]."""
-    block_size = cache.shape[2]
-    n = -(-length // block_size)
-    kv = _blocks(cache, scales, table[:n].long(), dtype)  # [n, kvh, bs, d]
-    return kv.transpose(0, 1).reshape(cache.shape[1], n * block_size, cache.shape[3])[:, :length]
+@dataclass
+class PrefillGroup:
+    """Prefill chunks that share one padded SDPA call: [seqs, heads, max_query, keys]."""
+
+    num_seqs: int
+    max_query: int
+    num_blocks: int  # blocks gathered per sequence (the longest context, rounded up)
+    block_ids: torch.Tensor  # [num_seqs * num_blocks] the blocks to gather, padded with block 0
+    query_rows: torch.Tensor  # [num_seqs * max_query] row of q for each padded query (padding repeats a row)
+    mask: torch.Tensor  # [num_seqs, 1, max_query, num_blocks * block_size] causal over the cached prefix
+    kept: torch.Tensor  # [real queries] which padded rows are real
+    rows: torch.Tensor  # [real queries] where they go in the packed output
+
+
+def plan_prefill(block_tables: torch.Tensor, starts: list[int], ctxs: list[int], block_size: int,
+                 max_waste: float = 1.5) -> list[PrefillGroup]:
+    """Group a step's prefill chunks into as few padded attention calls as keep the padded work
+    (sequences x longest query x longest context) within `max_waste` of the real work: usually one
+    call for the whole step. Index tensors and masks are made here, once per step, for every layer."""
+    dev = block_tables.device
+    qlens = [starts[i + 1] - starts[i] for i in range(len(ctxs))]
+    order = sorted(range(len(ctxs)), key=lambda i: (-ctxs[i], -qlens[i]))
+    groups: list[list[int]] = []
+    for i in order:
+        if groups:
+            trial = groups[-1] + [i]
+            padded = len(trial) * max(qlens[j] for j in trial) * max(ctxs[j] for j in trial)
+            if padded <= max_waste * sum(qlens[j] * ctxs[j] for j in trial):
+                groups[-1] = trial
+                continue
+        groups.append([i])
+    out = []
+    for members in groups:
+        n, mq, mc = len(members), max(qlens[j] for j in members), max(ctxs[j] for j in members)
+        nb = -(-mc // block_size)
+        query_rows, kept, rows, q_pos = [], [], [], []
+        for k, j in enumerate(members):
+            ql, ctx = qlens[j], ctxs[j]
+            query_rows += [starts[j] + min(t, ql - 1) for t in range(mq)]
+            kept += [k * mq + t for t in range(ql)]
+            rows += range(starts[j], starts[j] + ql)
+            q_pos.append([ctx - ql + min(t, ql - 1) for t in range(mq)])  # padding rows repeat the last query
+        q_pos_t = torch.tensor(q_pos, device=dev)
+        mask = torch.arange(nb * block_size, device=dev)[None, None, :] <= q_pos_t[:, :, None]
+        out.append(PrefillGroup(
+            n, mq, nb, block_tables[torch.tensor(members, device=dev), :nb].reshape(-1).long(),
+            torch.tensor(query_rows, device=dev), mask[:, None], torch.tensor(kept, device=dev),
+            torch.tensor(rows, device=dev)))
+    return out
 
 
 def prefill_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     context_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None, host: tuple[list[int], list[int]] | None = None,
+    groups: list[PrefillGroup] | None = None,
 ) -> torch.Tensor:
     """Packed chunks q [num_tokens, heads, d]: sequence i's queries are rows
     query_start_loc[i]:query_start_loc[i+1], its last tokens of context_lens[i], causal over the
-    cached prefix. `host` = (query_start_loc, context_lens) as lists, when the caller has them."""
-    starts, ctxs = host if host is not None else (query_start_loc.tolist(), context_lens.tolist())
+    cached prefix. All chunks go through one scaled_dot_product_attention over a padded batch
+    (PyTorch's fused CPU flash kernel), or a few when their lengths differ too much (plan_prefill).
+    `host` = (query_start_loc, context_lens) as lists and `groups` = plan_prefill's result, when
+    the caller has them."""
+    if groups is None:
+        starts, ctxs = host if host is not None else (query_start_loc.tolist(), context_lens.tolist())
+        groups = plan_prefill(block_tables, starts, ctxs, k_cache.shape[2])
     dtype = q.dtype if k_cache.dtype == torch.int8 else k_cache.dtype
+    kvh, bs, d = k_cache.shape[1:]
     out = torch.empty_like(q)
-    for i, ctx in enumerate(ctxs):
-        s, e = starts[i], starts[i + 1]
-        keys = _seq_kv(k_cache, block_tables[i], ctx, k_scale, dtype)  # [kvh, ctx, d]
-        values = _seq_kv(v_cache, block_tables[i], ctx, v_scale, dtype)
-        q_pos = torch.arange(ctx - (e - s), ctx, device=q.device)
-        mask = torch.arange(ctx, device=q.device)[None, :] <= q_pos[:, None]
-        o = F.scaled_dot_product_attention(
-            q[s:e].transpose(0, 1).unsqueeze(0).to(keys.dtype), keys.unsqueeze(0), values.unsqueeze(0),
-            attn_mask=mask[None, None], scale=scale, enable_gqa=True,
-        )
-        out[s:e] = o[0].transpose(0, 1).to(out.dtype)
+    for g in groups:
+        keys, values = (_blocks(c, s, g.block_ids, dtype).view(g.num_seqs, g.num_blocks, kvh, bs, d)
+                        .transpose(1, 2).reshape(g.num_seqs, kvh, g.num_blocks * bs, d)
+                        for c, s in ((k_cache, k_scale), (v_cache, v_scale)))
+        queries = q.index_select(0, g.query_rows).view(g.num_seqs, g.max_query, -1, d).transpose(1, 2)
+        o = F.scaled_dot_product_attention(queries.to(dtype), keys, values, attn_mask=g.mask, scale=scale,
+                                           enable_gqa=True)
+        o = o.transpose(1, 2).reshape(g.num_seqs * g.max_query, -1, d).index_select(0, g.kept)
+        out.index_copy_(0, g.rows, o.to(out.dtype))
     return out
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kernels.attention import write_kv
+from kernels.attention import plan_prefill, quantize_kv, write_kv
 from tests.tiny import attend as paged_attention
 
 
@@ -75,3 +75,37 @@ def test_bf16_cache_close_to_fp32():
     q, kc, vc, bt, cl, qsl, keys, values = _case(q_lens, ctx_lens, 4, True, seed=5)
     out = paged_attention(q, kc.bfloat16(), vc.bfloat16(), bt, cl, qsl, scale=0.25)
     torch.testing.assert_close(out, dense_reference(q, keys, values, q_lens, 0.25), atol=3e-2, rtol=3e-2)
+
+
+def test_several_chunks_go_through_one_padded_call_and_match_dense():
+    # three chunks of unequal query and context lengths (fresh prompts and chunks after a cached
+    # prefix) beside two decodes
+    q_lens, ctx_lens = [6, 1, 9, 1, 7], [6, 12, 30, 25, 19]
+    q, kc, vc, bt, cl, qsl, keys, values = _case(q_lens, ctx_lens, 4, True, seed=7)
+    starts, ctxs = [0, 6, 15, 22], [6, 30, 19]
+    groups = plan_prefill(bt[[0, 2, 4]], starts, ctxs, block_size=4, max_waste=10.0)
+    assert len(groups) == 1 and groups[0].num_seqs == 3 and groups[0].max_query == 9
+    assert groups[0].rows.tolist() == list(range(6, 15)) + list(range(15, 22)) + list(range(0, 6))  # longest first
+    out = paged_attention(q, kc, vc, bt, cl, qsl, scale=0.25)
+    torch.testing.assert_close(out, dense_reference(q, keys, values, q_lens, 0.25), atol=1e-5, rtol=1e-5)
+
+
+def test_chunks_too_unequal_to_pad_together_are_split():
+    # a 2-token tail over a 40-token prefix and a fresh 32-token prompt: padding both to 32 x 40
+    # would do 2560 pairs of work for 80 + 1024 real ones
+    groups = plan_prefill(torch.zeros(2, 10, dtype=torch.long), [0, 2, 34], [40, 32], block_size=4, max_waste=1.5)
+    assert [(g.num_seqs, g.max_query) for g in groups] == [(1, 2), (1, 32)]
+    # equal chunks always share a call
+    groups = plan_prefill(torch.zeros(3, 10, dtype=torch.long), [0, 8, 16, 24], [8, 8, 8], block_size=4)
+    assert [(g.num_seqs, g.max_query, g.num_blocks) for g in groups] == [(3, 8, 2)]
+
+
+def test_grouped_prefill_on_an_int8_cache_matches_the_dequantized_cache():
+    q_lens, ctx_lens = [5, 9, 3], [5, 20, 13]
+    q, kc, vc, bt, cl, qsl, _, _ = _case(q_lens, ctx_lens, 4, True, seed=9)
+    k8, ks = quantize_kv(kc)
+    v8, vs = quantize_kv(vc)
+    out = paged_attention(q, k8, v8, bt, cl, qsl, scale=0.25, k_scale=ks, v_scale=vs)
+    deq = paged_attention(q, k8.float() * ks.float()[..., None], v8.float() * vs.float()[..., None], bt, cl, qsl,
+                          scale=0.25)
+    torch.testing.assert_close(out, deq, atol=1e-5, rtol=1e-5)

@@ -65,3 +65,22 @@ def test_a_users_sweep_makes_one_curve_report(tiny_llama, tmp_path):
     md = (tmp_path / "c" / "report.md").read_text()
     assert "The knee: 1 users" in md and "load_curve.png" in md
     assert (tmp_path / "c" / "load_curve.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_target_without_ready_is_awaited_on_its_health(monkeypatch):
+    # llama.cpp's server (like vLLM and SGLang) has no /ready: 404 there, 503 on /health while it
+    # loads, then 200; servelab's own /ready is asked first
+    import httpx
+
+    from core.bench import loadtest
+
+    seen, health = [], iter([503, 503, 200])
+
+    def get(url, timeout):
+        seen.append(url.rsplit("/", 1)[1])
+        return httpx.Response(404 if url.endswith("/ready") else next(health))
+
+    monkeypatch.setattr(httpx, "get", get)
+    monkeypatch.setattr(loadtest.time, "sleep", lambda s: None)
+    loadtest._wait_ready("http://target", None, timeout=60)
+    assert seen == ["ready", "health"] * 3

@@ -44,10 +44,14 @@ def test_int4_round_trip_within_half_a_step(group):
     assert (err <= s.T.repeat_interleave(group, 1) / 2 + 1e-5).all()
 
 
-def test_int8_fast_kernel_matches_reference():
+@pytest.mark.parametrize("rows", [5, 100])  # the packed kernel, and the bf16 GEMM over the dequantized weight
+def test_int8_fast_kernel_matches_reference(rows):
+    from kernels.quant import INT8_DEQUANT_ROWS
+
+    assert (rows > INT8_DEQUANT_ROWS) == (rows == 100)
     w = torch.randn(96, 64, generator=g)
     q, s = quantize_int8(w)
-    x = torch.randn(5, 64, generator=g).bfloat16()
+    x = torch.randn(rows, 64, generator=g).bfloat16()
     torch.testing.assert_close(int8_matmul(x, q, s).float(), int8_matmul_ref(x, q, s).float(), atol=0.05, rtol=0.02)
 
 

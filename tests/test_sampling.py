@@ -8,7 +8,7 @@ import torch
 from core.engine.engine import Engine
 from core.engine.types import SamplingParams
 from core.errors import RequestError
-from plugins.decoders.sampling import apply_top_k_top_p
+from plugins.decoders.sampling import apply_top_k_top_p, exponential_race
 from tests.tiny import tiny_config
 
 NEG = float("-inf")
@@ -144,3 +144,21 @@ def test_prompt_too_long_is_rejected(engine):
     with pytest.raises(RequestError, match="max_model_len is 128"):
         engine.add_request(list(range(128)))
     assert not engine.has_unfinished()
+
+
+def test_exponential_race_draws_from_the_distribution():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0])
+    n = 40_000
+    noise = torch.empty(n, 5).exponential_(generator=torch.Generator().manual_seed(0))
+    counts = torch.bincount(exponential_race(probs.expand(n, 5), noise), minlength=5).float()
+    sigma = (n * probs * (1 - probs)).sqrt()
+    assert counts[4] == 0  # a zero-probability token is never drawn
+    assert ((counts - n * probs).abs() <= 4 * sigma + 1e-6).all(), counts.tolist()
+
+
+def test_unseeded_rows_do_not_disturb_a_seeded_one(engine):
+    p = SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True)
+    alone = _texts(engine.generate(["seeded"], p))[0]
+    crowd = [SamplingParams(max_tokens=12, temperature=1.3, top_k=5) for _ in range(5)]
+    mixed = engine.generate(["a", "seeded", "b", "c", "d", "e"], crowd[:1] + [p] + crowd[1:])
+    assert mixed[1].outputs[0].token_ids == alone

@@ -75,7 +75,10 @@ def _wait_ready(url: str, proc: subprocess.Popen | None, timeout: float = 600) -
         if proc is not None and proc.poll() is not None:
             raise ConfigError(f"the server exited with status {proc.returncode} before it was ready")
         try:
-            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+            status = httpx.get(f"{url}/ready", timeout=2).status_code
+            if status == 404:  # not servelab: the /health that vLLM, SGLang and llama.cpp's server answer when ready
+                status = httpx.get(f"{url}/health", timeout=2).status_code
+            if status == 200:
                 return
         except httpx.HTTPError:
             pass

@@ -37,6 +37,7 @@ BUILTIN_PLUGINS = (
     "plugins.backends.torch_backend",
     "plugins.attention.torch_ref",
     "plugins.attention.triton_attn",
+    "plugins.attention.cpu_attn",
     "plugins.peers.hf",
 )
 # kind -> the hook that lists its factories

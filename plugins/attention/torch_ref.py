@@ -1,8 +1,9 @@
 """Attention backend `torch`: the reference kernels of `kernels.attention`, in eager PyTorch.
 
 Once per step `plan` splits the batch into single-query rows (decode, done together over packed
-blocks) and multi-query rows (prefill chunks) and packs the decode blocks, so the layers reuse
-those index tensors instead of rebuilding them thirty times. The `triton` backend shares the
+blocks) and multi-query rows (prefill chunks, done together in one padded SDPA call), packs the
+decode blocks and builds the prefill masks, so the layers reuse those index tensors instead of
+rebuilding them thirty times. The `triton` backend shares the
 split and swaps the kernels.
 """
 
@@ -13,7 +14,15 @@ from dataclasses import dataclass
 import torch
 
 from core.api import AttentionConfig, AttentionMetadata, KVCacheSpec, hookimpl
-from kernels.attention import allocate_kv_layer, decode_attention, pack_decode_blocks, prefill_attention, write_kv
+from kernels.attention import (
+    PrefillGroup,
+    allocate_kv_layer,
+    decode_attention,
+    pack_decode_blocks,
+    plan_prefill,
+    prefill_attention,
+    write_kv,
+)
 
 
 @dataclass
@@ -28,12 +37,13 @@ class TorchAttentionPlan:
     prefill_ctx: torch.Tensor | None = None
     prefill_starts: torch.Tensor | None = None  # their query_start_loc, re-based to the prefill rows
     prefill_host: tuple[list[int], list[int]] | None = None
+    prefill_groups: list[PrefillGroup] | None = None  # plan_prefill's padded SDPA calls
 
 
-def split_rows(meta: AttentionMetadata, pack: bool) -> TorchAttentionPlan:
+def split_rows(meta: AttentionMetadata, pack: bool, group_prefill: bool = False) -> TorchAttentionPlan:
     """Single-query rows (decodes) apart from multi-query rows (prefill chunks), once per step; a
     decode-only step makes no tensor at all. `pack`: also gather the decodes' blocks (the torch
-    reference's packed decode reads them)."""
+    reference's packed decode reads them); `group_prefill`: also plan the chunks' padded SDPA calls."""
     starts, qlens, ctxs = meta.query_start_loc_cpu, meta.query_lens_cpu, meta.context_lens_cpu
     dec = [i for i, n in enumerate(qlens) if n == 1]
     plan = TorchAttentionPlan(all_decode=len(dec) == len(qlens))
@@ -57,10 +67,17 @@ def split_rows(meta: AttentionMetadata, pack: bool) -> TorchAttentionPlan:
     plan.prefill_tables, plan.prefill_ctx = meta.block_tables[idx], meta.context_lens[idx]
     plan.prefill_starts = torch.tensor(rebased, device=dev)
     plan.prefill_host = (rebased, [ctxs[i] for i in pre])
+    if group_prefill:
+        plan.prefill_groups = plan_prefill(plan.prefill_tables, *plan.prefill_host, meta.block_size)
     return plan
 
 
 class TorchAttention:
+    # the kernels this backend runs (a subclass swaps them, e.g. the C++ decode of `cpu`)
+    decode_kernel = staticmethod(decode_attention)
+    prefill_kernel = staticmethod(prefill_attention)
+    pack_decodes = True  # the reference's packed decode reads pre-gathered block indices
+
     def __init__(self, config: AttentionConfig, device=None) -> None:
         self.config = config
 
@@ -69,7 +86,7 @@ class TorchAttention:
                 for _ in range(spec.num_layers)]
 
     def plan(self, meta: AttentionMetadata) -> TorchAttentionPlan:
-        return split_rows(meta, pack=True)
+        return split_rows(meta, pack=self.pack_decodes, group_prefill=True)
 
     def forward(self, q, k, v, kv_cache: tuple, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         k_cache, v_cache, *scales = kv_cache  # an int8 cache carries (k_scale, v_scale) too
@@ -82,15 +99,16 @@ class TorchAttention:
         k_scale, v_scale = scales if scales else (None, None)
         plan: TorchAttentionPlan = meta.plan
         if plan.all_decode:
-            return decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, k_scale, v_scale,
-                                    packed=plan.packed).to(q.dtype)
+            return self.decode_kernel(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale, k_scale,
+                                      v_scale, packed=plan.packed).to(q.dtype)
         out = torch.empty_like(q)
         if plan.decode_rows is not None:
-            o = decode_attention(q.index_select(0, plan.decode_rows), k_cache, v_cache, plan.decode_tables,
-                                 plan.decode_ctx, scale, k_scale, v_scale, packed=plan.packed)
+            o = self.decode_kernel(q.index_select(0, plan.decode_rows), k_cache, v_cache, plan.decode_tables,
+                                   plan.decode_ctx, scale, k_scale, v_scale, packed=plan.packed)
             out[plan.decode_rows] = o.to(out.dtype)
-        o = prefill_attention(q.index_select(0, plan.prefill_rows), k_cache, v_cache, plan.prefill_tables,
-                              plan.prefill_ctx, plan.prefill_starts, scale, k_scale, v_scale, host=plan.prefill_host)
+        o = self.prefill_kernel(q.index_select(0, plan.prefill_rows), k_cache, v_cache, plan.prefill_tables,
+                                plan.prefill_ctx, plan.prefill_starts, scale, k_scale, v_scale, host=plan.prefill_host,
+                                groups=plan.prefill_groups)
         out[plan.prefill_rows] = o.to(out.dtype)
         return out
 

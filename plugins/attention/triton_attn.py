@@ -5,7 +5,8 @@ decode rows in one launch (split-K), prefill chunks in one launch for the whole 
 decode-only step needs no per-step tensors at all (the kernels read the metadata's block tables
 and lengths directly), so it can be captured in a CUDA graph: capability `cuda_graphs`.
 
-`auto`: `triton` on a CUDA device (when Triton is installed), `torch` elsewhere.
+`auto`: `triton` on a CUDA device (when Triton is installed), `cpu` on the CPU (when its C++ kernel
+builds), `torch` elsewhere.
 """
 
 from __future__ import annotations
@@ -62,10 +63,16 @@ class TritonAttention:
 
 
 def auto_attention(config: AttentionConfig, device=None):
+    """Triton on CUDA; on the CPU the C++ decode kernel when it builds; the torch reference otherwise."""
+    from kernels import cpu_attention
     from kernels.dispatch import HAVE_TRITON
+    from plugins.attention.cpu_attn import CPUAttention
 
-    if device is not None and torch.device(device).type == "cuda" and HAVE_TRITON:
+    device = torch.device(device or "cpu")
+    if device.type == "cuda" and HAVE_TRITON:
         return TritonAttention(config, device)
+    if device.type == "cpu" and cpu_attention.available():
+        return CPUAttention(config, device)
     return TorchAttention(config, device)
 
 

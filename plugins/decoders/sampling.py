@@ -29,6 +29,14 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
+def exponential_race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """One token per row of `probs` [N, V], drawn with probability probs[i, t]: with E ~ Exp(1)
+    i.i.d., argmax_t probs / E is such a draw (the Gumbel-max trick in exponential form), so the
+    whole batch samples in one vectorised op instead of a multinomial per row."""
+    # Exp(1) draws of exactly 0 would turn a zero-probability token into 0/0 = NaN, which argmax picks
+    return (probs / noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+
+
 class SamplingDecoder:
     def __init__(self, config: DecoderConfig, vocab_size: int, seed: int = 0) -> None:
         self.config = config
@@ -40,27 +48,39 @@ class SamplingDecoder:
     def propose(self, scheduled: list[ScheduledSeq]) -> None:
         return None
 
+    def _shared_generator(self, device: torch.device) -> torch.Generator:
+        if str(device) not in self._shared:
+            self._shared[str(device)] = torch.Generator(device=device).manual_seed(self.seed)
+        return self._shared[str(device)]
+
     def _generator(self, seq: Sequence, device: torch.device) -> torch.Generator:
         if seq.params.seed is None:
-            if str(device) not in self._shared:
-                self._shared[str(device)] = torch.Generator(device=device).manual_seed(self.seed)
-            return self._shared[str(device)]
+            return self._shared_generator(device)
         if seq not in self._own:
             # Each of the n samples of a seeded request gets its own reproducible stream.
             self._own[seq] = torch.Generator(device=device).manual_seed(seq.params.seed + seq.index)
         return self._own[seq]
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], tokens: torch.Tensor) -> None:
+        """Draw the non-greedy rows in one pass over the batch: argmax of probs / Exp(1) noise."""
         rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if not rows:
             return
         dev = logits.device
-        temps = torch.tensor([seqs[i].params.temperature for i in rows], device=dev)
-        top_k = torch.tensor([seqs[i].params.top_k for i in rows], device=dev)
-        top_p = torch.tensor([seqs[i].params.top_p for i in rows], device=dev)
-        probs = apply_top_k_top_p(logits[rows] / temps[:, None], top_k, top_p).softmax(dim=-1)
-        for j, i in enumerate(rows):
-            tokens[i] = torch.multinomial(probs[j], 1, generator=self._generator(seqs[i], dev))[0]
+        params = torch.tensor([[seqs[i].params.temperature, seqs[i].params.top_k, seqs[i].params.top_p]
+                               for i in rows], device=dev)
+        picked = torch.tensor(rows, device=dev)
+        logits = logits.index_select(0, picked) / params[:, :1]
+        if (params[:, 1] > 0).any() or (params[:, 2] < 1).any():  # the vocabulary sort only when a filter is on
+            logits = apply_top_k_top_p(logits, params[:, 1].long(), params[:, 2])
+        probs = logits.softmax(dim=-1)
+        noise = torch.empty_like(probs)
+        seeded = [j for j, i in enumerate(rows) if seqs[i].params.seed is not None]
+        if len(seeded) < len(rows):  # every unseeded row from the shared stream in one call
+            noise.exponential_(generator=self._shared_generator(dev))
+        for j in seeded:  # a seeded request's draws come from its own stream, whatever its batch
+            noise[j].exponential_(generator=self._generator(seqs[rows[j]], dev))
+        tokens.index_copy_(0, picked, exponential_race(probs, noise))
 
     def accept(self, logits: torch.Tensor, scheduled: list[ScheduledSeq], proposals) -> DecoderOutput:
         """`logits` has one row per scheduled sequence (each samples this step), in order."""

@@ -1,0 +1,307 @@
+// Paged decode attention for the CPU: see kernels/cpu_attention.py.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+template <typename T>
+static inline float to_f(T x) { return static_cast<float>(x); }
+
+template <typename KV>
+static void decode_kernel(const float* q, const KV* kc, const KV* vc, const at::Half* ks, const at::Half* vs,
+                          const int64_t* tables, const int64_t* ctx_lens, float* out, int64_t B, int64_t H,
+                          int64_t KVH, int64_t BS, int64_t D, int64_t W, int64_t stride_blk, float scale) {
+  const int64_t G = H / KVH;
+  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+    // per task: the query rows, the running max / sum / output of each, and one block of K and V in fp32
+    std::vector<float> qf(G * D), acc(G * D), m(G), l(G), s(G * BS), kf(BS * D), vf(BS * D);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / KVH, h = task % KVH;
+      const int64_t ctx = ctx_lens[b];
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qrow = q + (b * H + h * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = qrow[d] * scale;
+        m[g] = -std::numeric_limits<float>::infinity();
+        l[g] = 0.f;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t start = 0; start < ctx; start += BS) {
+        const int64_t blk = tables[b * W + start / BS];
+        const int64_t n = std::min(BS, ctx - start);
+        const KV* kb = kc + blk * stride_blk + h * BS * D;  // head-major block: n rows of D, contiguous
+        const KV* vb = vc + blk * stride_blk + h * BS * D;
+        for (int64_t i = 0; i < n * D; ++i) kf[i] = to_f(kb[i]);  // read each block once, widened once
+        for (int64_t i = 0; i < n * D; ++i) vf[i] = to_f(vb[i]);
+        if (ks) {
+          for (int64_t t = 0; t < n; ++t) {
+            const float kscale = static_cast<float>(ks[(blk * KVH + h) * BS + t]);
+            const float vscale = static_cast<float>(vs[(blk * KVH + h) * BS + t]);
+            for (int64_t d = 0; d < D; ++d) { kf[t * D + d] *= kscale; vf[t * D + d] *= vscale; }
+          }
+        }
+        for (int64_t t = 0; t < n; ++t) {  // every query head against each key row, read once
+          const float* kr = kf.data() + t * D;
+          for (int64_t g = 0; g < G; ++g) {
+            const float* qg = qf.data() + g * D;
+            float dot = 0.f;
+            for (int64_t d = 0; d < D; ++d) dot += qg[d] * kr[d];
+            s[g * BS + t] = dot;
+          }
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          float* sg = s.data() + g * BS;
+          float bmax = -std::numeric_limits<float>::infinity();
+          for (int64_t t = 0; t < n; ++t) bmax = std::max(bmax, sg[t]);
+          const float mnew = std::max(m[g], bmax);
+          const float alpha = std::exp(m[g] - mnew);
+          float sum = 0.f;
+          for (int64_t t = 0; t < n; ++t) {  // a loop of its own, so the exponentials vectorize
+            sg[t] = std::exp(sg[t] - mnew);
+            sum += sg[t];
+          }
+          l[g] = l[g] * alpha + sum;
+          m[g] = mnew;
+          float* a = acc.data() + g * D;
+          for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
+        }
+        for (int64_t t = 0; t < n; ++t) {  // each value row, read once, into every head's output
+          const float* vr = vf.data() + t * D;
+          for (int64_t g = 0; g < G; ++g) {
+            const float p = s[g * BS + t];
+            float* a = acc.data() + g * D;
+            for (int64_t d = 0; d < D; ++d) a[d] += p * vr[d];
+          }
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* o = out + (b * H + h * G + g) * D;
+        const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
+        for (int64_t d = 0; d < D; ++d) o[d] = acc[g * D + d] * inv;
+      }
+    }
+  });
+}
+
+#if defined(__AVX512F__) && !defined(SERVELAB_PORTABLE)
+#define SERVELAB_AVX512 1
+#include <immintrin.h>
+// The vector path: 16 fp32 lanes; head_dim a multiple of 16; key rows in tiles of 16 tokens.
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const at::BFloat16* p) {  // bf16 is the top half of an fp32
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+static inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+static inline __m512 exp16(__m512 x) {  // exp on [-87, 0]: 2^n * p(r), |r| <= ln2 / 2, error ~1e-7
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Sixteen dot-product vectors in, one vector of their sixteen sums out (lane t = sum of v[t]): a
+// tree of shuffles and adds, about three instructions per sum instead of a full reduction each.
+static inline __m512 hsum16(__m512* v) {
+  __m512 w[8], x[4], y[2];
+  for (int k = 0; k < 8; ++k)  // halves of 256 bits: v[2k] into 128-bit chunks 0-1, v[2k+1] into 2-3
+    w[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int j = 0; j < 4; ++j)  // chunk c of x[j] holds v[4j + c]'s four partial sums
+    x[j] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(w[2 * j], w[2 * j + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int i = 0; i < 2; ++i)
+    y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(y[0], y[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  // lane 4c + p now holds v[4p + c]: one permute restores the order
+  const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+  return _mm512_permutexvar_ps(order, z);
+}
+
+template <typename KV, int ND, int GT>  // ND = head_dim / 16; GT = query heads per KV head, 0 = known at run time
+static void decode_kernel_avx512(const float* q, const KV* kc, const KV* vc, const at::Half* ks, const at::Half* vs,
+                                 const int64_t* tables, const int64_t* ctx_lens, float* out, int64_t B, int64_t H,
+                                 int64_t KVH, int64_t BS, int64_t W, int64_t stride_blk, float scale) {
+  constexpr int64_t D = ND * 16;
+  constexpr bool scaled = std::is_same<KV, int8_t>::value;  // the INT8 cache carries a scale per token
+#if defined(__AVX512BF16__)
+  constexpr bool bf16_dot = std::is_same<KV, at::BFloat16>::value;  // q.k as bf16 pair products, K never widened
+#else
+  constexpr bool bf16_dot = false;
+#endif
+  const int64_t G = GT > 0 ? GT : H / KVH;  // a compile-time group lets the accumulators live in registers
+  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+    __m512 qv[16 * ND], acc[16 * ND], dots[16];
+#if defined(__AVX512BF16__)
+    __m512bh qbh[16 * ND / 2 + 1];
+#endif
+    alignas(64) float kf[16 * D];  // one tile of keys widened to fp32 (when not read as bf16 pairs)
+    alignas(64) float s[16 * 16];  // the tile's probabilities, one row of 16 per query head (G <= 16)
+    float m[16], l[16];
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / KVH, h = task % KVH;
+      const int64_t ctx = ctx_lens[b];
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qrow = q + (b * H + h * G + g) * D;
+        for (int c = 0; c < ND; ++c) {
+          // bf16 queries are exact in bf16, so the scale is applied to the scores instead
+          qv[g * ND + c] = bf16_dot ? _mm512_loadu_ps(qrow + c * 16)
+                                    : _mm512_mul_ps(_mm512_loadu_ps(qrow + c * 16), _mm512_set1_ps(scale));
+          acc[g * ND + c] = _mm512_setzero_ps();
+        }
+#if defined(__AVX512BF16__)
+        for (int c = 0; c < ND / 2; ++c) qbh[g * ND / 2 + c] = _mm512_cvtne2ps_pbh(qv[g * ND + 2 * c + 1], qv[g * ND + 2 * c]);
+#endif
+        m[g] = -std::numeric_limits<float>::infinity();
+        l[g] = 0.f;
+      }
+      for (int64_t start = 0; start < ctx; start += BS) {
+        const int64_t blk = tables[b * W + start / BS];
+        const int64_t nblk = std::min(BS, ctx - start);
+        const KV* kb = kc + blk * stride_blk + h * BS * D;  // head-major block: rows of D, contiguous
+        const KV* vb = vc + blk * stride_blk + h * BS * D;
+        const at::Half* ksb = scaled ? ks + (blk * KVH + h) * BS : nullptr;
+        const at::Half* vsb = scaled ? vs + (blk * KVH + h) * BS : nullptr;
+        if (start + 2 * BS < ctx) {  // blocks are scattered: fetch the one after next while this one computes
+          const int64_t next = tables[b * W + start / BS + 2] * stride_blk + h * BS * D;
+          const int64_t bytes = std::min(BS, ctx - start - 2 * BS) * D * static_cast<int64_t>(sizeof(KV));
+          for (int64_t off = 0; off < bytes; off += 64) {
+            _mm_prefetch(reinterpret_cast<const char*>(kc + next) + off, _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(vc + next) + off, _MM_HINT_T0);
+          }
+        }
+        for (int64_t t0 = 0; t0 < nblk; t0 += 16) {
+          const int n = static_cast<int>(std::min<int64_t>(16, nblk - t0));
+          const KV* kt = kb + t0 * D;
+          if (!bf16_dot) {  // widen (and for INT8 dequantize) the tile's keys once for every query head
+            for (int t = 0; t < n; ++t) {
+              const __m512 ksc = _mm512_set1_ps(scaled ? static_cast<float>(ksb[t0 + t]) : 1.f);
+              for (int c = 0; c < ND; ++c) {
+                const __m512 k = load16(kt + t * D + c * 16);
+                _mm512_store_ps(kf + t * D + c * 16, scaled ? _mm512_mul_ps(k, ksc) : k);
+              }
+            }
+          }
+          const __mmask16 live = static_cast<__mmask16>((1u << n) - 1);
+          for (int64_t g = 0; g < G; ++g) {
+            for (int t = 0; t < 16; ++t) dots[t] = _mm512_setzero_ps();
+            if (bf16_dot) {
+#if defined(__AVX512BF16__)
+              for (int t = 0; t < n; ++t)
+                for (int c = 0; c < ND / 2; ++c)
+                  dots[t] = _mm512_dpbf16_ps(dots[t], qbh[g * ND / 2 + c],
+                                             (__m512bh)_mm512_loadu_si512(kt + t * D + c * 32));
+#endif
+            } else {
+              for (int t = 0; t < n; ++t)
+                for (int c = 0; c < ND; ++c)
+                  dots[t] = _mm512_fmadd_ps(qv[g * ND + c], _mm512_load_ps(kf + t * D + c * 16), dots[t]);
+            }
+            __m512 sv = hsum16(dots);
+            if (bf16_dot) sv = _mm512_mul_ps(sv, _mm512_set1_ps(scale));
+            sv = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), live, sv);
+            // online softmax over the tile, 16 lanes at once
+            const float mnew = std::max(m[g], _mm512_reduce_max_ps(sv));
+            const float alpha = std::exp(m[g] - mnew);
+            const __m512 p = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(sv, _mm512_set1_ps(mnew))));
+            l[g] = l[g] * alpha + _mm512_reduce_add_ps(p);
+            m[g] = mnew;
+            _mm512_store_ps(s + g * 16, p);
+            const __m512 a = _mm512_set1_ps(alpha);
+            for (int c = 0; c < ND; ++c) acc[g * ND + c] = _mm512_mul_ps(acc[g * ND + c], a);
+          }
+          for (int t = 0; t < n; ++t) {  // each value row read once, into every head's output
+            __m512 vr[ND];
+            const __m512 vsc = _mm512_set1_ps(scaled ? static_cast<float>(vsb[t0 + t]) : 1.f);
+            for (int c = 0; c < ND; ++c) {
+              const __m512 v = load16(vb + (t0 + t) * D + c * 16);
+              vr[c] = scaled ? _mm512_mul_ps(v, vsc) : v;
+            }
+            for (int64_t g = 0; g < G; ++g) {
+              const __m512 p = _mm512_set1_ps(s[g * 16 + t]);
+              for (int c = 0; c < ND; ++c) acc[g * ND + c] = _mm512_fmadd_ps(p, vr[c], acc[g * ND + c]);
+            }
+          }
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        const __m512 inv = _mm512_set1_ps(l[g] > 0.f ? 1.f / l[g] : 0.f);
+        for (int c = 0; c < ND; ++c)
+          _mm512_storeu_ps(out + (b * H + h * G + g) * D + c * 16, _mm512_mul_ps(acc[g * ND + c], inv));
+      }
+    }
+  });
+}
+
+template <typename KV, int ND>
+static void by_group(const float* q, const KV* kc, const KV* vc, const at::Half* ks, const at::Half* vs,
+                     const int64_t* tables, const int64_t* ctx_lens, float* out, int64_t B, int64_t H, int64_t KVH,
+                     int64_t BS, int64_t W, int64_t stride_blk, float scale) {
+  switch (H / KVH) {  // the common GQA groups get their own code (SmolLM2 3, Llama 3 4, Qwen2.5-7B 7)
+    case 1: return decode_kernel_avx512<KV, ND, 1>(q, kc, vc, ks, vs, tables, ctx_lens, out, B, H, KVH, BS, W, stride_blk, scale);
+    case 3: return decode_kernel_avx512<KV, ND, 3>(q, kc, vc, ks, vs, tables, ctx_lens, out, B, H, KVH, BS, W, stride_blk, scale);
+    case 4: return decode_kernel_avx512<KV, ND, 4>(q, kc, vc, ks, vs, tables, ctx_lens, out, B, H, KVH, BS, W, stride_blk, scale);
+    default: return decode_kernel_avx512<KV, ND, 0>(q, kc, vc, ks, vs, tables, ctx_lens, out, B, H, KVH, BS, W, stride_blk, scale);
+  }
+}
+#endif
+
+template <typename KV>
+static void dispatch(const float* q, const KV* kc, const KV* vc, const at::Half* ks, const at::Half* vs,
+                     const int64_t* tables, const int64_t* ctx_lens, float* out, int64_t B, int64_t H, int64_t KVH,
+                     int64_t BS, int64_t D, int64_t W, int64_t stride_blk, float scale) {
+#if defined(SERVELAB_AVX512)
+  if (H / KVH <= 16) {
+    switch (D) {
+      case 64: return by_group<KV, 4>(q, kc, vc, ks, vs, tables, ctx_lens, out, B, H, KVH, BS, W, stride_blk, scale);
+      case 128: return by_group<KV, 8>(q, kc, vc, ks, vs, tables, ctx_lens, out, B, H, KVH, BS, W, stride_blk, scale);
+      default: break;
+    }
+  }
+#endif
+  decode_kernel(q, kc, vc, ks, vs, tables, ctx_lens, out, B, H, KVH, BS, D, W, stride_blk, scale);
+}
+
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
+                           torch::Tensor context_lens, double scale, c10::optional<torch::Tensor> k_scale,
+                           c10::optional<torch::Tensor> v_scale) {
+  auto qf = q.to(torch::kFloat32).contiguous();
+  auto tables = block_tables.to(torch::kInt64).contiguous();
+  auto lens = context_lens.to(torch::kInt64).contiguous();
+  const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t KVH = k_cache.size(1), BS = k_cache.size(2), W = tables.size(1);
+  auto out = torch::empty({B, H, D}, qf.options());
+  const at::Half* ks = k_scale.has_value() ? k_scale->data_ptr<at::Half>() : nullptr;
+  const at::Half* vs = v_scale.has_value() ? v_scale->data_ptr<at::Half>() : nullptr;
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV cache must be contiguous");
+  const int64_t stride = k_cache.stride(0);
+  if (k_cache.scalar_type() == torch::kBFloat16) {
+    dispatch(qf.data_ptr<float>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(), ks, vs,
+                  tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<float>(), B, H, KVH, BS, D, W,
+                  stride, scale);
+  } else if (k_cache.scalar_type() == torch::kFloat32) {
+    dispatch(qf.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), ks, vs,
+                  tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<float>(), B, H, KVH, BS, D, W,
+                  stride, scale);
+  } else if (k_cache.scalar_type() == torch::kChar) {
+    dispatch(qf.data_ptr<float>(), k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>(), ks, vs,
+                  tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<float>(), B, H, KVH, BS, D, W,
+                  stride, scale);
+  } else {
+    TORCH_CHECK(false, "unsupported KV cache dtype");
+  }
+  return out.to(q.scalar_type());
+}

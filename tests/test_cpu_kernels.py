@@ -1,0 +1,132 @@
+"""The C++ CPU decode attention against its torch reference, and the tiny model end to end with it."""
+
+import pytest
+import torch
+
+from kernels import attention as ref
+from kernels import cpu_attention
+
+BLOCK = 16
+
+
+def _filled(ctx_lens, kv_heads, d, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    kc = torch.zeros(64, kv_heads, BLOCK, d, dtype=dtype)
+    vc = torch.zeros_like(kc)
+    scales = ()
+    if dtype == torch.int8:
+        scales = (torch.zeros(64, kv_heads, BLOCK, dtype=torch.float16), torch.zeros(64, kv_heads, BLOCK,
+                                                                                      dtype=torch.float16))
+    order = torch.randperm(64, generator=g).tolist()
+    tables = []
+    for ctx in ctx_lens:
+        nb = -(-ctx // BLOCK)
+        table, order = order[:nb], order[nb:]
+        tables.append(table)
+        slots = torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK for p in range(ctx)], dtype=torch.int64)
+        ref.write_kv(torch.randn(ctx, kv_heads, d, generator=g), torch.randn(ctx, kv_heads, d, generator=g), kc, vc,
+                     slots, *scales)
+    width = max(len(t) for t in tables)
+    return kc, vc, scales, torch.tensor([t + [0] * (width - len(t)) for t in tables])
+
+
+def test_the_kernel_builds_here():
+    assert cpu_attention.available()  # gcc and Python's headers are on every machine this project runs on
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])  # AVX-512 (where built) and the loop
+@pytest.mark.parametrize("group, d", [(1, 64), (3, 64), (8, 64), (4, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_decode_matches_the_reference(group, d, dtype, portable):
+    ctx_lens = [1, 17, 33, 100, 47]  # crossing block boundaries and tiles; blocks scattered over the pool
+    kc, vc, scales, bt = _filled(ctx_lens, 2, d, dtype, seed=group)
+    q = torch.randn(len(ctx_lens), 2 * group, d, generator=torch.Generator().manual_seed(1))
+    if dtype == torch.bfloat16:
+        q = q.bfloat16()
+    lens = torch.tensor(ctx_lens)
+    want = ref.decode_attention(q.float(), kc, vc, bt, lens, 0.125, *scales)
+    got = cpu_attention.decode_attention(q, kc, vc, bt, lens, 0.125, *scales, portable=portable)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the reference's scores are rounded to bf16
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_shared_blocks_and_an_empty_row():
+    kc, vc, _, bt = _filled([40], 1, 64, torch.float32, seed=5)
+    bt = torch.cat([bt, bt, bt])  # three sequences over the same blocks (a shared prefix)
+    lens = torch.tensor([40, 20, 0])  # the last is padding: it attends over nothing
+    q = torch.randn(3, 4, 64)
+    got = cpu_attention.decode_attention(q, kc, vc, bt, lens, 0.125)
+    torch.testing.assert_close(got[:2], ref.decode_attention(q[:2], kc, vc, bt[:2], lens[:2], 0.125), atol=1e-5,
+                               rtol=1e-5)
+    assert torch.equal(got[2], torch.zeros(4, 64))
+
+
+def test_tiny_model_greedy_tokens_are_the_same_with_the_cpu_backend(tiny_dirs):
+    from core.config import AttentionConfig
+    from core.engine.engine import Engine
+    from core.engine.types import SamplingParams
+    from plugins.cache.paged import PagedCacheConfig
+    from tests.tiny import tiny_config
+
+    prompts = [[5, 17, 99, 3, 42, 8, 61] * 3, [120, 7], list(range(30, 70)), [9] * 33]
+
+    def greedy(attention):
+        cfg = tiny_config(tiny_dirs["llama"], scheduler="continuous", max_num_batched_tokens=32)
+        cfg.cache = PagedCacheConfig(name="paged", block_size=16, memory_gb=0.01)
+        cfg.attention = AttentionConfig(name=attention)
+        e = Engine(cfg)
+        outs = e.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True))
+        return type(e.attention).__name__, [o.outputs[0].token_ids for o in outs]
+
+    name, want = greedy("torch")
+    assert greedy("cpu") == ("CPUAttention", want)
+    assert greedy("auto")[0] == "CPUAttention"  # the default on the CPU
+
+
+@pytest.mark.real_model
+def test_real_model_same_tokens_with_the_cpu_kernels(default_gguf):
+    """The embedded model, greedy, prefill in chunks of 16, each prompt on its own so every step's
+    logits row belongs to one sequence. fp32: the C++ kernels give the reference backend's tokens.
+    bf16 cannot promise the same tokens (a near-tie is decided by rounding), so its tolerance is
+    stated against fp32: up to the first token where any run differs, the C++ kernels' bf16 logits
+    are no further from fp32 than 1.5x the reference backend's own bf16 error (mean and max), and
+    the mean error stays under 0.25 (logits span about +-30 here)."""
+    from core.config import AttentionConfig, EngineConfig, ModelConfig, SchedulerConfig
+    from core.engine.engine import Engine
+    from core.engine.types import SamplingParams
+
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
+               "Water boils at a temperature of"]
+
+    def run(attention, dtype):
+        cfg = EngineConfig(model=ModelConfig(dtype=dtype, max_model_len=256),
+                           scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16),
+                           attention=AttentionConfig(name=attention))
+        e = Engine(cfg)
+        seen, accept = [], e.decoder.accept
+
+        def spy(logits, sch, prop):
+            if logits.shape[0]:
+                seen.append(logits[0].float().clone())
+            return accept(logits, sch, prop)
+
+        e.decoder.accept = spy
+        results = []
+        for prompt in prompts:
+            seen.clear()
+            out = e.generate([prompt], SamplingParams(max_tokens=24, ignore_eos=True))[0]
+            results.append((out.outputs[0].token_ids, list(seen)))
+        return results
+
+    fp32, fp32_cpu = run("torch", "fp32"), run("cpu", "fp32")
+    assert [t for t, _ in fp32_cpu] == [t for t, _ in fp32]
+    ref_err, cpu_err = [], []
+    for (t32, l32), (tr, lr), (tc, lc) in zip(fp32, run("torch", "bf16"), run("cpu", "bf16")):
+        assert len(l32) == len(lr) == len(lc) == 24
+        n = next((i for i, abc in enumerate(zip(t32, tr, tc)) if len(set(abc)) > 1), 23)
+        ref_err += [(lr[i] - l32[i]).abs() for i in range(n + 1)]
+        cpu_err += [(lc[i] - l32[i]).abs() for i in range(n + 1)]
+    ref_mean, cpu_mean = torch.stack(ref_err).mean().item(), torch.stack(cpu_err).mean().item()
+    ref_max, cpu_max = max(e.max().item() for e in ref_err), max(e.max().item() for e in cpu_err)
+    assert cpu_mean <= 1.5 * ref_mean and cpu_mean < 0.25, (cpu_mean, ref_mean)
+    assert cpu_max <= 1.5 * ref_max, (cpu_max, ref_max)
