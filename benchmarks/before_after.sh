@@ -28,4 +28,4 @@ runs() {  # $1: tree, $2: label
 runs "$TREE" before
 runs "$HERE" after
 git -C "$TREE" rev-parse HEAD > "$OUT/before/commit"
-{ git -C "$HERE" rev-parse HEAD; git -C "$HERE" status --short | head -1 | sed 's/^/dirty: /'; } > "$OUT/after/commit"
+{ git -C "$HERE" rev-parse HEAD; git -C "$HERE" status --short -- . ":(exclude)$OUT" | head -1 | sed 's/^/dirty: /'; } > "$OUT/after/commit"
