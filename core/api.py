@@ -16,6 +16,7 @@ from core.config.schema import (
     QuantConfig,
     SchedulerConfig,
 )
+from core.engine.components import load_weights
 from core.engine.interfaces import (
     AttentionBackend,
     Backend,
@@ -48,10 +49,12 @@ from core.engine.types import (
 from core.errors import ConfigError, ModelNotFoundError, RequestError, ServelabError
 from core.model.calibration import calibration_prompts
 from core.model.gguf import PERMUTED_ARCHS, gguf_to_hf_name, unpermute_qk
-from core.model.loader import DTYPES
+from core.model.llama import ForwardContext
+from core.model.loader import DTYPES, load_model
 from core.model.quantize import capture_linear_inputs, quantize_tied_embedding, swap_linears
 from core.runner.memory import kv_memory_budget
 from core.runner.metadata import AttentionMetadata, ModelInput
+from core.runner.model_runner import ModelRunner
 
 __all__ = [
     # hooks
@@ -69,6 +72,8 @@ __all__ = [
     "QueueScheduler", "stop_status", "make_record", "DTYPES", "kv_memory_budget",
     "calibration_prompts", "capture_linear_inputs", "quantize_tied_embedding", "swap_linears",
     "PERMUTED_ARCHS", "gguf_to_hf_name", "unpermute_qk",
+    # a second model beside the engine's (speculative drafts): its forward, inputs and weights
+    "ForwardContext", "ModelRunner", "load_model", "load_weights",
     # errors
     "ConfigError", "ModelNotFoundError", "RequestError", "ServelabError",
 ]

@@ -17,17 +17,18 @@ import numpy as np
 
 from core.corpus import PromptSource
 from core.errors import ConfigError
+from scenarios.edits import edit_request
 from scenarios.traces import read_trace
 
 DATA = Path(__file__).parent / "data"
-KINDS = ("fixed", "uniform", "quantiles", "shared_prefix", "trace")
+KINDS = ("fixed", "uniform", "quantiles", "shared_prefix", "trace", "edit")
 ARRIVALS = ("all_at_once", "poisson", "gamma", "trace")
 
 
 @dataclass
 class WorkloadConfig:
     name: str = "chat_longtail"
-    kind: str = "quantiles"  # fixed | uniform | quantiles | shared_prefix | trace
+    kind: str = "quantiles"  # fixed | uniform | quantiles | shared_prefix | trace | edit
     num_requests: int = 64
     seed: int = 0
     text: str = "prose"  # prose | code: the corpus prompts are cut from
@@ -203,6 +204,13 @@ def build_workload(cfg: WorkloadConfig, max_model_len: int) -> Workload:
         notes.append(f"lengths from {table['source']} ({table['citation']}), multiplied by {scale:.4f} so that a "
                      f"request at the p{q * 100:g} prompt and p{q * 100:g} output fits max_model_len={max_model_len}; "
                      f"longer prompts are cut to fit")
+    elif cfg.kind == "edit":
+        # prompt: an edit instruction around a window of real code (prompt_len in [min, max]);
+        # output: the edited code, about as long as the code it copies (set by `materialize`)
+        prompt = rng.integers(cfg.prompt_len_min, cfg.prompt_len_max + 1, n)
+        output = prompt.copy()
+        notes.append("code editing: an instruction to rename the window's most used identifier, then the code; the "
+                     "answer copies the code with the edit (output length = the edited code's tokens + 16)")
     else:  # shared_prefix
         prefix_ids = rng.integers(0, cfg.num_prefixes, n).tolist()
         prompt = cfg.prefix_len + rng.integers(cfg.suffix_len_min, cfg.suffix_len_max + 1, n)
@@ -260,5 +268,8 @@ def materialize(workload: Workload, tokenizer) -> None:
             if len(ids) < r.prompt_len:
                 ids += source.prompt(r.prompt_len - len(ids))
             r.prompt_token_ids = ids[: r.prompt_len]
+        elif cfg.kind == "edit":
+            edit_request(r, source, tokenizer)
         else:
             r.prompt_token_ids = source.prompt(r.prompt_len)
+

@@ -109,3 +109,21 @@ def test_grouped_prefill_on_an_int8_cache_matches_the_dequantized_cache():
     deq = paged_attention(q, k8.float() * ks.float()[..., None], v8.float() * vs.float()[..., None], bt, cl, qsl,
                           scale=0.25)
     torch.testing.assert_close(out, deq, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("q_lens, ctx_lens", [
+    ([5, 1, 5], [40, 17, 9]),  # speculative verifies beside a decode, no prefill chunk in the step
+    ([5, 1, 20, 3], [40, 17, 20, 64]),  # and beside a fresh prefill
+])
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+def test_short_query_rows_through_the_decode_kernel_match_dense(q_lens, ctx_lens, backend):
+    """A verify row of a few queries goes to the decode kernel a query at a time, each over its
+    own causal context; the result is the dense causal attention's."""
+    from plugins.attention.cpu_attn import CPUAttention
+    from plugins.attention.torch_ref import TorchAttention
+
+    attn = CPUAttention(None) if backend == "cpu" else TorchAttention(None)
+    attn.decode_max_query_len = 8
+    q, kc, vc, bt, cl, qsl, keys, values = _case(q_lens, ctx_lens, 16, True, seed=5, heads=6, kv_heads=2, d=64)
+    out = paged_attention(q, kc, vc, bt, cl, qsl, scale=0.125, backend=attn)
+    torch.testing.assert_close(out, dense_reference(q, keys, values, q_lens, 0.125), atol=1e-5, rtol=1e-5)

@@ -64,7 +64,7 @@ def test_overrides_may_follow_flags():
     (["serve", "server.port=99999"], ["server.port must be in 1..65535, got 99999"]),
     (["serve", "server.fallback=nope"], ["server.fallback='nope' names no server.models entry"]),
     (["serve", "server.max_queue=0"], ["server.max_queue must be at least 1"]),
-    (["run", "workload=nope"], ["workload", "chat_longtail, code_longtail, decode_heavy, fixed, long_context, "
+    (["run", "workload=nope"], ["workload", "chat_longtail, code_edit, code_longtail, decode_heavy, fixed, long_context, "
                                 "shared_prefix, trace, uniform"]),
     (["run", "model.max_model_len=1"], ["model.max_model_len must be at least 2", "got 1"]),
     (["run", "workload.num_requests=0"], ["workload.num_requests must be positive, got 0"]),

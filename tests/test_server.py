@@ -133,6 +133,24 @@ def test_streamed_output_is_the_non_streamed_output(client, n, ignore_eos):
             assert not any(s in t for t in texts.values() for s in stops)
 
 
+def test_a_speculative_server_streams_the_plain_tokens(start_server, client):
+    """decoder=speculative behind the server: greedy text streamed and not, with a stop string
+    inside an accepted run, equal to the plain server's; its drafts counted in /metrics."""
+    spec = start_server("decoder=speculative", "decoder.method=self", "decoder.draft_layers=1",
+                        "decoder.disable_by_batch_size=0")
+    sc = openai.OpenAI(base_url=f"{spec}/v1", api_key="unused")
+    base = dict(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=30, temperature=0, extra_body={"ignore_eos": True})
+    want = client.completions.create(**base).choices[0].text
+    stop = want[10:13]
+    for kw, expect in ((base, want), ({**base, "stop": [stop]}, want[: want.index(stop)])):
+        full = sc.completions.create(**kw).choices[0]
+        texts, _, _ = _streamed(sc, **kw)
+        assert full.text == texts[0] == expect
+    drafts = _metric(spec, "servelab:spec_decode_num_draft_tokens_total", model_name=MODEL)
+    accepted = _metric(spec, "servelab:spec_decode_num_accepted_tokens_total", model_name=MODEL)
+    assert drafts > 0 and 0 <= accepted <= drafts
+
+
 def test_stop_strings_and_token_id_prompts(client):
     full = client.completions.create(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=12, temperature=0,
                                      extra_body={"ignore_eos": True}).choices[0].text

@@ -37,7 +37,9 @@ def stream(text_ids: list[int], stops: list[str], splits: list[int]):
         if i >= len(text_ids):
             seq.status = SequenceStatus.FINISHED_LENGTH  # what the scheduler does at max_tokens
         _, hits = op.process([(seq, chunk)])
-        for _, stop in hits:
+        for _, stop, extra in hits:  # what the scheduler's finish does, dropping the tokens after the stop
+            if extra:
+                del seq.output_token_ids[-extra:]
             seq.status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
         out = op.output(state)
         streamed += out.deltas.get(0, ("", []))[0]

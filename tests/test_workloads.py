@@ -130,3 +130,30 @@ def test_errors_name_the_value():
         build_workload(WorkloadConfig(kind="trace"), 2048)
     with pytest.raises(ConfigError, match="workload.kind"):
         build_workload(WorkloadConfig(kind="mystery"), 2048)
+
+
+def test_the_edit_rule_renames_the_most_used_identifier():
+    from scenarios.edits import edit_rule
+
+    code = "def area(width, height):\n    total = width * height\n    return total + width\n"
+    assert edit_rule(code) == ("width", "width_v2",
+                               "def area(width_v2, height):\n    total = width_v2 * height\n    return total + width_v2\n")
+
+
+def test_an_edit_request_quotes_real_code_and_expects_it_back(default_gguf):
+    from core.model.loader import load_tokenizer
+    from scenarios.edits import edit_rule
+    from scenarios.workloads import WorkloadConfig, build_workload, materialize
+
+    tok = load_tokenizer(default_gguf)
+    cfg = WorkloadConfig(name="code_edit", kind="edit", text="code", num_requests=4, prompt_len_min=100,
+                         prompt_len_max=200)
+    w = build_workload(cfg, 2048)
+    materialize(w, tok)
+    for r in w.requests:
+        text = tok.decode(r.prompt_token_ids)
+        code = text.split("```python\n", 1)[1].split("\n```", 1)[0]
+        old, new, edited = edit_rule(code)
+        assert f"Rename `{old}` to `{new}`" in text
+        assert r.prompt_len == len(r.prompt_token_ids) and abs(r.prompt_len - 150) <= 60
+        assert r.output_len == len(tok.encode(edited, add_special_tokens=False)) + 16

@@ -121,10 +121,25 @@ def run_markdown(result: dict, plots: list[str]) -> str:
         _roofline_md(result["roofline"], s, result["machine"].get("device")) if result.get("roofline") else "- not measured: the target is a server "
         "this process does not run (see its own metrics)", "",
     ]
+    lines += spec_decode_md(s.get("spec_decode"))
     lines += server_metrics_md(result.get("server_metrics"))
     if plots:
         lines += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
     return "\n".join(lines)
+
+
+def spec_decode_md(spec: dict | None) -> list[str]:
+    """Speculative decoding: how many drafts were checked and kept, per position in their run."""
+    if not spec:
+        return []
+    per_pos = spec["accepted_per_pos"]
+    by_pos = ", ".join(f"{n / spec['num_drafts'] * 100:.0f} %" for n in per_pos) if spec["num_drafts"] else "-"
+    return ["## Speculative decoding", "",
+            _md_table(["verifies", "draft tokens", "accepted", "acceptance rate", "mean accepted length"],
+                      [[spec["num_drafts"], spec["num_draft_tokens"], spec["num_accepted_tokens"],
+                        f"{spec['acceptance_rate'] * 100:.1f} %", _f(spec["mean_accepted_length"], 2)]]), "",
+            f"Share of verifies that kept a draft at position 1, 2, ...: {by_pos}. The mean accepted length counts "
+            "the target's own token: tokens emitted per verify.", ""]
 
 
 def server_metrics_md(metrics: dict | None) -> list[str]:
@@ -166,6 +181,11 @@ def comparison_markdown(results: list[dict], plots: list[str]) -> str:
         _md_table(["run", "output tok/s", "total tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "E2E p99"], ratios), "",
         "Throughput ratios > 1 and latency ratios < 1 favour the row.", "",
     ]
+    spec = [[r["label"], f"{sd['acceptance_rate'] * 100:.1f} %", _f(sd["mean_accepted_length"], 2), sd["num_draft_tokens"]]
+            for r in results if (sd := r["summary"].get("spec_decode"))]
+    if spec:
+        lines += ["## Speculative decoding", "",
+                  _md_table(["run", "acceptance rate", "mean accepted length", "draft tokens"], spec), ""]
     for r in results:
         lines += [f"### `{r['label']}`", "", _latency_table(r["summary"]), "", _roofline_md(r["roofline"], r["summary"], r["machine"].get("device")), ""]
     if plots:

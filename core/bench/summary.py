@@ -62,4 +62,20 @@ def summarize(records: list[dict], duration_s: float, steps: list[dict] | None =
         summary["num_steps"] = len(steps)
     cached = sum(r.get("num_cached_tokens", 0) for r in records)
     summary["prefix_hit_tokens"] = cached
+    drafts = sum(s.get("num_drafts", 0) for s in steps)
+    draft_tokens = sum(r.get("num_draft_tokens", 0) for r in records)
+    if draft_tokens or drafts:
+        accepted = sum(r.get("num_accepted_tokens", 0) for r in records)
+        per_pos: list[int] = []
+        for s in steps:
+            for pos, n in enumerate(s.get("accepted_per_pos") or []):
+                per_pos += [0] * (pos + 1 - len(per_pos))
+                per_pos[pos] += n
+        summary["spec_decode"] = {
+            "num_drafts": drafts, "num_draft_tokens": draft_tokens, "num_accepted_tokens": accepted,
+            "acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
+            # tokens a verify emits: the kept drafts plus the target's own token
+            "mean_accepted_length": 1 + sum(per_pos) / drafts if drafts else 1.0,
+            "accepted_per_pos": per_pos,
+        }
     return summary

@@ -153,6 +153,8 @@ def build_parts(config: EngineConfig, registry: Registry, loaded: LoadedModel | 
                               max_num_seqs=config.scheduler.max_num_seqs)
     backend.init_kv_cache(allocator.num_blocks, allocator.block_size)
     scheduler = registry.create("scheduler", config.scheduler, allocator=allocator)
-    decoder = registry.create("decoder", config.decoder, vocab_size=args.vocab_size, seed=config.seed)
+    # a speculative decoder drafts with the target itself (`self`), a second model or the text
+    decoder = registry.create("decoder", config.decoder, vocab_size=args.vocab_size, seed=config.seed, model=model,
+                              model_args=args, engine_config=config, registry=registry, device=device)
     return EngineParts(config, loaded, model, device, kv_spec, quantizer, allocator, attention, backend, scheduler,
                        decoder, ModelRunner(device, attention))

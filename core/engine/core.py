@@ -1,6 +1,7 @@
 """The engine core: the one place that calls the components in order, one step at a time.
 
-schedule -> propose -> model runner (inputs, once) -> execute -> accept -> update_from_output.
+schedule -> model runner (inputs, once) -> execute -> accept -> update_from_output -> propose
+(the next step's drafts, for speculative decoding).
 Text is the output processor's business; this loop deals in token ids only.
 """
 
@@ -45,10 +46,15 @@ class EngineCore:
             for seq in seqs:
                 self.scheduler.add(seq)
 
-    def finish(self, seq: Sequence, status: SequenceStatus, stop_reason: str | int | None = None) -> None:
-        """End a sequence from outside the step (abort, stop string); samples not yet forked from
-        it end with it (a parent only ends before forking when it is aborted)."""
-        self.scheduler.finish(seq, status, stop_reason)
+    def finish(self, seq: Sequence, status: SequenceStatus, stop_reason: str | int | None = None,
+               drop_tokens: int = 0) -> None:
+        """End a sequence from outside the step (abort, stop string, with the tokens a step
+        emitted after the stop string); samples not yet forked from it end with it (a parent only
+        ends before forking when it is aborted)."""
+        if drop_tokens:
+            self.scheduler.finish(seq, status, stop_reason, drop_tokens=drop_tokens)
+        else:  # a scheduler plugin written before speculative decoding need not know the argument
+            self.scheduler.finish(seq, status, stop_reason)
         for child in self.pending_forks.pop(seq.seq_id, []):
             self.scheduler.finish(child, status)
 
@@ -63,7 +69,6 @@ class EngineCore:
             if self.scheduler.has_unfinished() and not out.preempted:
                 raise RuntimeError("scheduler made no progress with work pending")
             return StepResult()
-        proposals = self.decoder.propose(out.scheduled)
         tables = [self.allocator.block_table(s.seq) for s in out.scheduled]
         batch = self.runner.prepare(out.scheduled, tables, self.allocator.block_size)
         if self.copy_on_write:
@@ -72,12 +77,21 @@ class EngineCore:
         stats = self._stats(out, batch)
         sampling = [out.scheduled[i] for i in batch.sample_rows]
         logits, sampling = self._fork(out, logits, sampling)
-        decoded = self.decoder.accept(logits, sampling, proposals)
+        decoded = self.decoder.accept(logits, sampling, None)
         now = time.perf_counter()
         before = [s.seq.num_output_tokens for s in sampling]
         finished = self.scheduler.update_from_output(out, decoded, now)
         new_tokens = [(s.seq, s.seq.output_token_ids[n:]) for s, n in zip(sampling, before)
                       if s.seq.num_output_tokens > n]
+        # drafts for the next step (speculative decoders), kept on the sequences by the scheduler
+        self.scheduler.set_drafts(self.decoder.propose(list(self.scheduler.running)))
+        for verified, kept in decoded.spec.values():
+            stats.num_drafts += 1
+            stats.num_draft_tokens += verified
+            stats.num_accepted_tokens += kept
+            stats.accepted_per_pos += [0] * (kept - len(stats.accepted_per_pos))
+            for pos in range(kept):
+                stats.accepted_per_pos[pos] += 1
         self.step_count += 1
         stats.step, stats.time, stats.duration_s = self.step_count, now, now - started
         stats.num_running, stats.num_waiting = self.scheduler.num_running, self.scheduler.num_waiting
@@ -90,14 +104,15 @@ class EngineCore:
     def _fork(self, out: SchedulerOutput, logits: torch.Tensor, sampling: list[ScheduledSeq]):
         """Fork the pending samples of parents whose prompt is computed this step; each child
         draws its first token from its parent's logits row."""
-        rows, children = [], []
-        for i, s in enumerate(sampling):
+        rows, children, row = [], [], 0
+        for s in sampling:
             pending = self.pending_forks.get(s.seq.seq_id)
             if pending and not s.seq.num_output_tokens:
                 del self.pending_forks[s.seq.seq_id]
                 forked = self.scheduler.fork(s, pending)
-                rows += [i] * len(forked)
+                rows += [row] * len(forked)
                 children += forked
+            row += 1 + s.num_draft_tokens  # a verify row has a logits row per draft too
         if not children:
             return logits, sampling
         out.scheduled.extend(children)

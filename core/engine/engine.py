@@ -112,8 +112,8 @@ class Engine:
         """One scheduling step and one forward pass; returns the requests that changed."""
         result = self.core.step()
         touched, stops = self.output.process(result.new_tokens)
-        for seq, stop in stops:
-            self.core.finish(seq, SequenceStatus.FINISHED_STOPPED, stop)
+        for seq, stop, extra in stops:
+            self.core.finish(seq, SequenceStatus.FINISHED_STOPPED, stop, drop_tokens=extra)
         outputs = [self.output.output(state) for state in touched]
         for state in touched:
             if state.finished:

@@ -9,7 +9,8 @@ Component hooks return `{name: factory}`; the factories are called with keyword 
                            estimate of a step's activations, to leave out of a memory budget)
 - quantizer:       factory(config, tokenizer, source: str) -> Quantizer
                    (source: the model path, for quantizers that read the file's own blocks)
-- decoder:         factory(config, vocab_size: int, seed: int) -> Decoder
+- decoder:         factory(config, vocab_size: int, seed: int, model, model_args, engine_config, registry,
+                   device) -> Decoder
 - backend:         factory(config, model: nn.Module, spec: KVCacheSpec, attention: AttentionBackend,
                            device: torch.device, max_num_seqs: int) -> Backend
 - attention:       factory(config, device: torch.device) -> AttentionBackend

@@ -96,7 +96,8 @@ class Scheduler(Protocol):
         """Children join the running set sharing the KV of the parent (`row`, scheduled this step);
         returns their rows for this step."""
 
-    def finish(self, seq: Sequence, status: SequenceStatus, stop_reason: str | int | None = None) -> None:
+    def finish(self, seq: Sequence, status: SequenceStatus, stop_reason: str | int | None = None,
+               drop_tokens: int = 0) -> None:
         """End a sequence (stop string, abort, ...): drop it and free its KV."""
 
     def has_unfinished(self) -> bool: ...
@@ -109,12 +110,16 @@ class Scheduler(Protocol):
 
 
 class Decoder(Protocol):
-    """Propose before the forward pass, accept after it."""
+    """Accept after the forward pass; propose drafts for the next one (speculative decoding)."""
 
-    def propose(self, scheduled: list[ScheduledSeq]) -> object | None: ...
+    def accept(self, logits: torch.Tensor, scheduled: list[ScheduledSeq], proposals: object | None = None
+               ) -> DecoderOutput:
+        """Accepted tokens (and logprobs) per sequence id. Each scheduled entry has 1 + d logits
+        rows, in order: d = its `num_draft_tokens` (0 unless drafts were proposed)."""
 
-    def accept(self, logits: torch.Tensor, scheduled: list[ScheduledSeq], proposals: object | None) -> DecoderOutput:
-        """Accepted tokens (and logprobs) per sequence id; one logits row per scheduled entry."""
+    def propose(self, seqs: list[Sequence]) -> dict[int, list[int]]:
+        """After a step, given every running sequence: draft tokens for the next step, per seq id
+        of a sequence past its prompt ({}: none)."""
 
 
 class AttentionBackend(Protocol):

@@ -63,23 +63,34 @@ class OutputProcessor:
 
     def process(self, new_tokens: list[tuple[Sequence, list[int]]]) -> tuple[list[RequestState], list[tuple]]:
         """Detokenize this step's tokens. Returns the requests that changed and the stop-string
-        hits as (sequence, stop string) pairs, for the engine to end."""
+        hits as (sequence, stop string, tokens after the hit to drop) triples, for the engine to end."""
         touched: dict[str, RequestState] = {}
         stops = []
         for seq, tokens in new_tokens:
             state = self.requests.get(seq.request_id)
             if state is None:
                 continue
-            hit = self._append_text(state, seq, tokens)
-            if hit is not None:
-                stops.append((seq, hit))
             touched[state.request_id] = state
+            if len(tokens) == 1 or not seq.params.stop:
+                hit = self._append_text(state, seq, tokens, seq.token_ids, seq.is_finished)
+                if hit is not None:
+                    stops.append((seq, hit, 0))
+                continue
+            # several tokens in one step (speculative decoding): one at a time, so a stop string
+            # ends the output at the same token as plain decoding; the tokens after it are dropped
+            ids = seq.token_ids
+            first = len(ids) - len(tokens)
+            for j, token in enumerate(tokens):
+                last = j == len(tokens) - 1
+                hit = self._append_text(state, seq, [token], ids[: first + j + 1], seq.is_finished and last)
+                if hit is not None:
+                    stops.append((seq, hit, len(tokens) - 1 - j))
+                    break
         return list(touched.values()), stops
 
-    def _append_text(self, state: RequestState, seq: Sequence, tokens: list[int]) -> str | None:
+    def _append_text(self, state: RequestState, seq: Sequence, tokens: list[int], all_ids: list[int],
+                     final: bool) -> str | None:
         d = state.detok[seq.seq_id]
-        all_ids = seq.token_ids
-        final = seq.is_finished
         text, d.prefix_offset, d.read_offset = self.tokenizer.detokenize_incrementally(
             all_ids, d.prefix_offset, d.read_offset, final=final)
         old_len = len(d.text)
@@ -94,7 +105,7 @@ class OutputProcessor:
                 cut, hit = min(hits)
                 full = full[:cut]
         d.text = full
-        done = hit is not None or seq.is_finished
+        done = hit is not None or final
         upto = len(full) if done or not stops else len(full) - stop_prefix_holdback(full, stops)
         prev_text, prev_ids = state.deltas.get(seq.index, ("", []))
         state.deltas[seq.index] = (prev_text + full[d.sent:upto], prev_ids + list(tokens))

@@ -35,6 +35,8 @@ class RequestRecord:
     finish_reason: str | None = None
     error: str | None = None  # load tests: HTTP status or a mid-stream error
     model: str | None = None  # load tests: the model name sent
+    num_draft_tokens: int = 0  # speculative decoding: drafts verified for this sequence
+    num_accepted_tokens: int = 0  # of which kept
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -70,4 +72,5 @@ def sequence_record(seq, origin: float = 0.0) -> RequestRecord:
         num_output_tokens=seq.num_output_tokens, finished=t.finished, first_scheduled=t.first_scheduled,
         prefill_done=t.prefill_done, origin=origin, index=seq.index, num_preemptions=seq.num_preemptions,
         num_cached_tokens=seq.num_cached_tokens, finish_reason=seq.status.value if seq.is_finished else None,
+        num_draft_tokens=seq.num_draft_tokens, num_accepted_tokens=seq.num_accepted_tokens,
     )

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 from core.config.schema import SchedulerConfig
-from core.engine.interfaces import CacheAllocator
+from core.engine.interfaces import CacheAllocator, has_capability
 from core.engine.types import DecoderOutput, ScheduledSeq, SchedulerOutput, Sequence, SequenceStatus
 
 
@@ -71,6 +71,7 @@ class QueueScheduler:
         self.running.remove(seq)
         self.allocator.free(seq)
         seq.num_computed_tokens = 0
+        seq.spec_token_ids = []
         seq.num_preemptions += 1
         seq.status = SequenceStatus.PREEMPTED
         self.add(seq)
@@ -86,7 +87,13 @@ class QueueScheduler:
             seq = s.seq
             if seq.timings.first_scheduled is None:
                 seq.timings.first_scheduled = output.started
+            drafts = s.num_draft_tokens
             seq.num_computed_tokens += s.num_new_tokens
+            seq.spec_token_ids = []
+            if seq.seq_id in decoded.spec:
+                verified, kept = decoded.spec[seq.seq_id]
+                seq.num_draft_tokens += verified
+                seq.num_accepted_tokens += kept
             if seq.timings.prefill_done is None and not seq.in_prefill:
                 seq.timings.prefill_done = now
             logprobs = decoded.logprobs.get(seq.seq_id, [])
@@ -102,7 +109,21 @@ class QueueScheduler:
                     self.finish(seq, status, reason, now)
                     finished.append(seq)
                     break
+            if drafts and not seq.is_finished:
+                # the KV of rejected drafts (and of drafts after a stop) goes back: the cache holds
+                # every token but the last, which the next step feeds
+                seq.num_computed_tokens = seq.num_tokens - 1
+                if has_capability(self.allocator, "truncate"):
+                    self.allocator.truncate(seq, seq.num_computed_tokens)
         return finished
+
+    def set_drafts(self, drafts: dict[int, list[int]]) -> None:
+        """A speculative decoder's proposals for the next step, per running sequence id."""
+        if not drafts:
+            return
+        for seq in self.running:
+            if seq.seq_id in drafts and not seq.in_prefill:
+                seq.spec_token_ids = list(drafts[seq.seq_id])
 
     def fork(self, row: ScheduledSeq, children: list[Sequence]) -> list[ScheduledSeq]:
         """n > 1: the parent (this step's `row`) computes the prompt's last chunk now; its samples
@@ -120,10 +141,15 @@ class QueueScheduler:
         return rows
 
     def finish(self, seq: Sequence, status: SequenceStatus, stop_reason: str | int | None = None,
-               now: float | None = None) -> None:
+               now: float | None = None, drop_tokens: int = 0) -> None:
         """A sequence ended (stop, length or abort): drop it wherever it is and free its KV. A
         sequence that already ended (at its length limit, with a stop string in its last text)
-        only changes its reason."""
+        only changes its reason. `drop_tokens`: the last output tokens to take back (a stop string
+        ended the text before a speculative step's last tokens)."""
+        if drop_tokens:
+            del seq.output_token_ids[-drop_tokens:]
+            del seq.timings.token_times[-drop_tokens:]
+            del seq.output_logprobs[len(seq.output_token_ids):]
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:

@@ -123,6 +123,11 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.timings = RequestTimings(arrival=arrival_time)
         self.stop_reason: str | int | None = None  # the stop string or token id that ended it
+        # speculative decoding: drafts waiting to be verified in the next step (not yet tokens of
+        # the sequence), and what its verifies proposed and kept so far
+        self.spec_token_ids: list[int] = []
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -157,6 +162,11 @@ class Sequence:
     def in_prefill(self) -> bool:
         return self.num_computed_tokens < self.num_prompt_tokens
 
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens a scheduler may compute next: the uncomputed ones, then the pending drafts."""
+        return self.num_tokens + len(self.spec_token_ids) - self.num_computed_tokens
+
     def __repr__(self) -> str:
         return (
             f"Sequence(id={self.seq_id}, req={self.request_id!r}, prompt={self.num_prompt_tokens}, "
@@ -176,6 +186,11 @@ class ScheduledSeq:
         """True when this step's last token is the sequence's last known token: sample after it."""
         return self.seq.num_computed_tokens + self.num_new_tokens >= self.seq.num_tokens
 
+    @property
+    def num_draft_tokens(self) -> int:
+        """Drafts verified in this step: the new tokens past the sequence's known tokens."""
+        return max(0, self.seq.num_computed_tokens + self.num_new_tokens - self.seq.num_tokens)
+
 
 @dataclass
 class DecoderOutput:
@@ -183,6 +198,7 @@ class DecoderOutput:
 
     token_ids: dict[int, list[int]] = field(default_factory=dict)
     logprobs: dict[int, list[dict]] = field(default_factory=dict)
+    spec: dict[int, tuple[int, int]] = field(default_factory=dict)  # speculative: (drafts verified, kept)
 
 
 @dataclass
@@ -249,6 +265,10 @@ class StepStats:
     num_sampled: int = 0  # rows that went through lm_head
     kv_tokens_read: int = 0  # sum of the batch's context lengths: KV read per layer
     attn_pairs: float = 0.0  # query-key pairs attended (sum over seqs of q * (ctx - (q - 1) / 2))
+    num_drafts: int = 0  # speculative verifies in this step (sequences with drafts)
+    num_draft_tokens: int = 0  # drafts verified
+    num_accepted_tokens: int = 0  # of which kept
+    accepted_per_pos: list[int] = field(default_factory=list)  # kept drafts by position in their run
     engine: str = ""  # the engine's name (its served model name)
 
 

@@ -41,5 +41,5 @@ class ModelInput:
     input_ids: torch.Tensor  # [num_tokens] packed
     positions: torch.Tensor  # [num_tokens]
     attn: AttentionMetadata
-    logits_indices: torch.Tensor  # [num_sampled] rows of the packed batch whose logits are needed
-    sample_rows: list[int]  # which scheduled entries those are, in order
+    logits_indices: torch.Tensor  # [num_logits] rows of the packed batch whose logits are needed
+    sample_rows: list[int]  # which scheduled entries sample, in order (1 + drafts logits rows each)

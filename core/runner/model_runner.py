@@ -40,14 +40,17 @@ class ModelRunner:
         for i, (s, table) in enumerate(zip(scheduled, block_tables)):
             start = s.seq.num_computed_tokens
             end = start + s.num_new_tokens
-            ids.extend(s.seq.token_slice(start, end))
+            drafts = s.num_draft_tokens
+            ids.extend(s.seq.token_slice(start, end - drafts))
+            if drafts:  # a speculative verify: the drafts follow the last known token
+                ids.extend(s.seq.spec_token_ids[:drafts])
             positions.extend(range(start, end))
             slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
             qlens.append(s.num_new_tokens)
             ctxs.append(end)
             starts.append(starts[-1] + s.num_new_tokens)
-            if s.needs_sample:
-                logits_indices.append(len(ids) - 1)
+            if s.needs_sample:  # logits after the last known token, and after each draft
+                logits_indices.extend(range(len(ids) - 1 - drafts, len(ids)))
                 sample_rows.append(i)
         width = max((len(t) for t in block_tables), default=1) or 1
         flat_tables = [b for t in block_tables for b in t + [0] * (width - len(t))]

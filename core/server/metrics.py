@@ -47,6 +47,11 @@ class ServerMetrics:
         self.preemptions = counter("num_preemptions", "Sequences preempted")
         self.success = counter("request_success", "Finished requests (abort included)", ["finished_reason"])
         self.rejected = counter("request_rejected", "Requests refused", ["reason"])
+        self.spec_drafts = counter("spec_decode_num_drafts", "Speculative verifies (a sequence's drafts checked)")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted")
+        self.spec_accepted_pos = counter("spec_decode_num_accepted_tokens_per_pos",
+                                         "Draft tokens accepted, by position in their run", ["position"])
         self.fallback = counter("requests_routed_to_fallback", "Requests served by the fallback model while degraded")
 
     def reject(self, model_name: str, reason: str) -> None:
@@ -77,6 +82,12 @@ class EngineObserver:
             return
         m, name = self.m, self.name
         m.preemptions.labels(name).inc(step_stats.num_preempted)
+        if step_stats.num_drafts:
+            m.spec_drafts.labels(name).inc(step_stats.num_drafts)
+            m.spec_draft_tokens.labels(name).inc(step_stats.num_draft_tokens)
+            m.spec_accepted.labels(name).inc(step_stats.num_accepted_tokens)
+            for pos, n in enumerate(step_stats.accepted_per_pos):
+                m.spec_accepted_pos.labels(name, str(pos)).inc(n)
         # the allocator's counters are cumulative: add what this step added
         m.prefix_queries.labels(name).inc(max(0, step_stats.prefix_queries - self._last_queries))
         m.prefix_hits.labels(name).inc(max(0, step_stats.prefix_hits - self._last_hits))

@@ -40,25 +40,37 @@ class TorchAttentionPlan:
     prefill_groups: list[PrefillGroup] | None = None  # plan_prefill's padded SDPA calls
 
 
-def split_rows(meta: AttentionMetadata, pack: bool, group_prefill: bool = False) -> TorchAttentionPlan:
-    """Single-query rows (decodes) apart from multi-query rows (prefill chunks), once per step; a
-    decode-only step makes no tensor at all. `pack`: also gather the decodes' blocks (the torch
-    reference's packed decode reads them); `group_prefill`: also plan the chunks' padded SDPA calls."""
+def split_rows(meta: AttentionMetadata, pack: bool, group_prefill: bool = False,
+               decode_max_query_len: int = 1) -> TorchAttentionPlan:
+    """Rows the decode kernel serves apart from prefill chunks, once per step; a decode-only step
+    makes no tensor at all. A row of up to `decode_max_query_len` queries (a speculative verify)
+    goes to the decode kernel as one single-query row per position, each over its causal context,
+    which beats a padded prefill call for a handful of queries. `pack`: also gather the decode
+    rows' blocks (the torch reference's packed decode reads them); `group_prefill`: also plan the
+    chunks' padded SDPA calls."""
     starts, qlens, ctxs = meta.query_start_loc_cpu, meta.query_lens_cpu, meta.context_lens_cpu
-    dec = [i for i, n in enumerate(qlens) if n == 1]
-    plan = TorchAttentionPlan(all_decode=len(dec) == len(qlens))
+    plan = TorchAttentionPlan(all_decode=all(n == 1 for n in qlens))
     if plan.all_decode:
         if pack:
             plan.packed = pack_decode_blocks(meta.block_tables, meta.context_lens, meta.block_size)
         return plan
     dev = meta.slot_mapping.device
-    pre = [i for i, n in enumerate(qlens) if n > 1]
-    if dec:
-        idx = torch.tensor(dec, device=dev)
-        plan.decode_rows = torch.tensor([starts[i] for i in dec], device=dev)
-        plan.decode_tables, plan.decode_ctx = meta.block_tables[idx], meta.context_lens[idx]
+    dec_rows, dec_seqs, dec_ctx, pre = [], [], [], []
+    for i, n in enumerate(qlens):
+        if n > decode_max_query_len:
+            pre.append(i)
+            continue
+        dec_rows += range(starts[i], starts[i] + n)
+        dec_seqs += [i] * n
+        dec_ctx += range(ctxs[i] - n + 1, ctxs[i] + 1)  # query j sees the keys up to its own position
+    if dec_rows:
+        plan.decode_rows = torch.tensor(dec_rows, device=dev)
+        plan.decode_tables = meta.block_tables[torch.tensor(dec_seqs, device=dev)]
+        plan.decode_ctx = torch.tensor(dec_ctx, device=dev)
         if pack:
             plan.packed = pack_decode_blocks(plan.decode_tables, plan.decode_ctx, meta.block_size)
+    if not pre:
+        return plan
     idx = torch.tensor(pre, device=dev)
     plan.prefill_rows = torch.cat([torch.arange(starts[i], starts[i + 1], device=dev) for i in pre])
     rebased = [0]
@@ -77,6 +89,7 @@ class TorchAttention:
     decode_kernel = staticmethod(decode_attention)
     prefill_kernel = staticmethod(prefill_attention)
     pack_decodes = True  # the reference's packed decode reads pre-gathered block indices
+    decode_max_query_len = 1  # rows of up to this many queries go to the decode kernel, a query each
 
     def __init__(self, config: AttentionConfig, device=None) -> None:
         self.config = config
@@ -86,7 +99,8 @@ class TorchAttention:
                 for _ in range(spec.num_layers)]
 
     def plan(self, meta: AttentionMetadata) -> TorchAttentionPlan:
-        return split_rows(meta, pack=self.pack_decodes, group_prefill=True)
+        return split_rows(meta, pack=self.pack_decodes, group_prefill=True,
+                          decode_max_query_len=self.decode_max_query_len)
 
     def forward(self, q, k, v, kv_cache: tuple, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         k_cache, v_cache, *scales = kv_cache  # an int8 cache carries (k_scale, v_scale) too
@@ -106,6 +120,8 @@ class TorchAttention:
             o = self.decode_kernel(q.index_select(0, plan.decode_rows), k_cache, v_cache, plan.decode_tables,
                                    plan.decode_ctx, scale, k_scale, v_scale, packed=plan.packed)
             out[plan.decode_rows] = o.to(out.dtype)
+        if plan.prefill_rows is None:
+            return out
         o = self.prefill_kernel(q.index_select(0, plan.prefill_rows), k_cache, v_cache, plan.prefill_tables,
                                 plan.prefill_ctx, plan.prefill_starts, scale, k_scale, v_scale, host=plan.prefill_host,
                                 groups=plan.prefill_groups)

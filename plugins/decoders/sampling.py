@@ -45,8 +45,8 @@ class SamplingDecoder:
         self._shared: dict[str, torch.Generator] = {}  # per device, for requests without their own seed
         self._own: weakref.WeakKeyDictionary[Sequence, torch.Generator] = weakref.WeakKeyDictionary()
 
-    def propose(self, scheduled: list[ScheduledSeq]) -> None:
-        return None
+    def propose(self, seqs: list[Sequence]) -> dict[int, list[int]]:
+        return {}  # plain decoding drafts nothing
 
     def _shared_generator(self, device: torch.device) -> torch.Generator:
         if str(device) not in self._shared:
@@ -82,7 +82,7 @@ class SamplingDecoder:
             noise[j].exponential_(generator=self._generator(seqs[rows[j]], dev))
         tokens.index_copy_(0, picked, exponential_race(probs, noise))
 
-    def accept(self, logits: torch.Tensor, scheduled: list[ScheduledSeq], proposals) -> DecoderOutput:
+    def accept(self, logits: torch.Tensor, scheduled: list[ScheduledSeq], proposals=None) -> DecoderOutput:
         """`logits` has one row per scheduled sequence (each samples this step), in order."""
         seqs = [s.seq for s in scheduled]
         if not seqs:

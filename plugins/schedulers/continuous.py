@@ -98,7 +98,7 @@ class ContinuousScheduler(QueueScheduler):
         for seq in list(self.running):
             if seq not in self.running or budget <= 0:
                 continue
-            num_new = self._chunk(seq, seq.num_tokens - seq.num_computed_tokens, budget)
+            num_new = self._chunk(seq, seq.num_pending_tokens, budget)
             if num_new <= 0:
                 continue
             while not self.allocator.allocate(seq, num_new):
@@ -143,8 +143,8 @@ class ContinuousScheduler(QueueScheduler):
         if admitted:
             self.waiting = [s for s in self.waiting if s.seq_id not in admitted]
 
-    def finish(self, seq: Sequence, status: SequenceStatus, stop_reason=None, now=None) -> None:
-        super().finish(seq, status, stop_reason, now)
+    def finish(self, seq: Sequence, status: SequenceStatus, stop_reason=None, now=None, drop_tokens: int = 0) -> None:
+        super().finish(seq, status, stop_reason, now, drop_tokens)
         self._enqueued_at.pop(seq.seq_id, None)
 
 

@@ -33,10 +33,12 @@ class StaticScheduler(QueueScheduler):
         return SchedulerOutput(batch)
 
     def _decode(self, seq: Sequence) -> ScheduledSeq:
-        # Room for the whole sequence was reserved at admission, so this cannot fail.
-        if not self.allocator.allocate(seq, 1):
+        # Room for the whole sequence was reserved at admission (drafts never run past it), so
+        # this cannot fail; a speculative decoder's drafts ride along with the decode token.
+        num_new = seq.num_pending_tokens
+        if not self.allocator.allocate(seq, num_new):
             raise RuntimeError(f"static scheduler: no KV room to decode {seq}")
-        return ScheduledSeq(seq, 1)
+        return ScheduledSeq(seq, num_new)
 
 
 @hookimpl
