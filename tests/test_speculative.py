@@ -278,31 +278,49 @@ def test_config_group_composes(tiny_dirs):
     assert (ec.decoder.name, ec.decoder.method, ec.decoder.num_speculative_tokens) == ("speculative", "self", 3)
 
 
-@pytest.mark.real_model
-@pytest.mark.parametrize("method", ["ngram", "self"])
-def test_real_model_greedy_speculation_gives_the_plain_tokens(default_gguf, method):
-    """The embedded model in fp32: at batch 1 and in a continuous batch of 4, with prompt lookup
-    and with the layer-skip draft, the same greedy tokens as plain decoding."""
+REAL_PROMPTS = ["Rename add to plus in this code and repeat it:\ndef add(a, b):\n    return a + b\n\nAnswer:\n",
+                "The capital of France is", "Count: one, two, three, four, five,", "Water boils at"]
+
+
+def real_engine(decoder, max_num_seqs, memory_gb=None):
     from core.config import EngineConfig, ModelConfig, SchedulerConfig
 
-    code = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"
-    prompts = [f"Rename add to plus in this code and repeat it:\n{code}\nAnswer:\n",
-               "The capital of France is", "Count: one, two, three, four, five,", "Water boils at"]
+    cfg = EngineConfig(model=ModelConfig(dtype="fp32", max_model_len=256),
+                       scheduler=SchedulerConfig(name="continuous", max_num_seqs=max_num_seqs,
+                                                 max_num_batched_tokens=128), decoder=decoder)
+    if memory_gb is not None:
+        cfg.cache = PagedCacheConfig(name="paged", block_size=16, memory_gb=memory_gb)
+    return Engine(cfg)
 
-    def run(decoder, batch):
-        cfg = EngineConfig(model=ModelConfig(dtype="fp32", max_model_len=512),
-                           scheduler=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), decoder=decoder)
-        e = Engine(cfg)
-        params = SamplingParams(max_tokens=32, ignore_eos=True)
-        if batch:
-            return [o.outputs[0].token_ids for o in e.generate(prompts, params)], e
-        return [e.generate([p], params)[0].outputs[0].token_ids for p in prompts[:2]], e
 
-    cfg = spec("self") if method == "self" else spec()
-    want, _ = run(DecoderConfig(), batch=True)
-    got, e = run(cfg, batch=True)
-    assert got == want
-    assert e.decoder.metrics()["num_accepted_tokens"] > 10
+@pytest.fixture(scope="module")
+def real_plain(default_gguf):
+    """Plain greedy outputs of the embedded model (fp32): the four prompts, and 32 prompts in one
+    continuous batch whose KV pool (about 430 tokens for 32 sequences growing to ~30) forces preemptions."""
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    few = [t[0] for t in tokens(real_engine(DecoderConfig(), 4), REAL_PROMPTS, params)]
+    many_prompts = [f"{REAL_PROMPTS[i % 4]} {i}" for i in range(32)]
+    many, preempted = stepwise(real_engine(DecoderConfig(), 32, memory_gb=0.02), many_prompts,
+                               SamplingParams(max_tokens=16, ignore_eos=True))
+    assert preempted > 0
+    return few, many_prompts, many
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("method", ["ngram", "self", "draft"])
+def test_real_model_greedy_speculation_gives_the_plain_tokens(default_gguf, real_plain, method):
+    """The embedded model in fp32, for every method: at batch 1, and in a continuous batch of 32
+    with preemptions, the same greedy tokens as plain decoding; no KV block left behind. `draft`
+    takes the GGUF file itself (no second model with this tokenizer can be downloaded here)."""
+    few, many_prompts, many = real_plain
+    cfg = {"ngram": spec(), "self": spec("self"), "draft": spec("draft", draft_model=str(default_gguf))}[method]
+    e = real_engine(cfg, 1)
+    alone = [e.generate([p], SamplingParams(max_tokens=24, ignore_eos=True))[0].outputs[0].token_ids
+             for p in REAL_PROMPTS[:2]]
+    assert alone == few[:2]
+    assert e.decoder.metrics()["num_accepted_tokens"] > 5
+    e = real_engine(cfg, 32, memory_gb=0.02)
+    got, preempted = stepwise(e, many_prompts, SamplingParams(max_tokens=16, ignore_eos=True))
+    assert got == many and preempted > 0
+    assert e.decoder.metrics()["num_draft_tokens"] > 0
     assert no_leak(e)
-    alone, e = run(cfg, batch=False)
-    assert alone[:2] == want[:2]
