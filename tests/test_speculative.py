@@ -271,11 +271,16 @@ def test_a_draft_with_another_vocabulary_is_refused(tiny_dirs, tmp_path):
 
 
 def test_config_group_composes(tiny_dirs):
+    from core.bench.run import default_run_name
     from core.config.compose import compose
     from core.engine.components import engine_config
+    from scenarios.workloads import WorkloadConfig
 
     ec = engine_config(compose(["decoder=speculative", "decoder.method=self", "decoder.num_speculative_tokens=3"]))
     assert (ec.decoder.name, ec.decoder.method, ec.decoder.num_speculative_tokens) == ("speculative", "self", 3)
+    assert default_run_name(ec, WorkloadConfig(name="w"), None) == "w-continuous-paged-none-torch-speculative-self-bf16"
+    plain = engine_config(compose([]))
+    assert default_run_name(plain, WorkloadConfig(name="w"), None) == "w-continuous-paged-none-torch-bf16"
 
 
 REAL_PROMPTS = ["Rename add to plus in this code and repeat it:\ndef add(a, b):\n    return a + b\n\nAnswer:\n",

@@ -47,6 +47,8 @@ def peer_config(cfg: DictConfig) -> PeerConfig | None:
 
 def default_run_name(ec: EngineConfig, wc: WorkloadConfig, peer: PeerConfig | None) -> str:
     system = f"peer_{peer.name}" if peer else f"{ec.scheduler.name}-{ec.cache.name}-{ec.quant.name}-{ec.backend.name}"
+    if not peer and ec.decoder.name != "sampling":  # e.g. speculative-ngram: a run that decodes differently says so
+        system += f"-{ec.decoder.name}" + (f"-{ec.decoder.method}" if hasattr(ec.decoder, "method") else "")
     return f"{wc.name}-{system}-{ec.model.dtype}"
 
 
