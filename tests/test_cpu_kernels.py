@@ -5,29 +5,7 @@ import torch
 
 from kernels import attention as ref
 from kernels import cpu_attention
-
-BLOCK = 16
-
-
-def _filled(ctx_lens, kv_heads, d, dtype, seed):
-    g = torch.Generator().manual_seed(seed)
-    kc = torch.zeros(64, kv_heads, BLOCK, d, dtype=dtype)
-    vc = torch.zeros_like(kc)
-    scales = ()
-    if dtype == torch.int8:
-        scales = (torch.zeros(64, kv_heads, BLOCK, dtype=torch.float16), torch.zeros(64, kv_heads, BLOCK,
-                                                                                      dtype=torch.float16))
-    order = torch.randperm(64, generator=g).tolist()
-    tables = []
-    for ctx in ctx_lens:
-        nb = -(-ctx // BLOCK)
-        table, order = order[:nb], order[nb:]
-        tables.append(table)
-        slots = torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK for p in range(ctx)], dtype=torch.int64)
-        ref.write_kv(torch.randn(ctx, kv_heads, d, generator=g), torch.randn(ctx, kv_heads, d, generator=g), kc, vc,
-                     slots, *scales)
-    width = max(len(t) for t in tables)
-    return kc, vc, scales, torch.tensor([t + [0] * (width - len(t)) for t in tables])
+from tests.tiny import scattered_kv_cache
 
 
 def test_the_kernel_builds_here():
@@ -39,7 +17,7 @@ def test_the_kernel_builds_here():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
 def test_decode_matches_the_reference(group, d, dtype, portable):
     ctx_lens = [1, 17, 33, 100, 47]  # crossing block boundaries and tiles; blocks scattered over the pool
-    kc, vc, scales, bt = _filled(ctx_lens, 2, d, dtype, seed=group)
+    kc, vc, scales, bt = scattered_kv_cache(ctx_lens, 2, d, dtype, seed=group)
     q = torch.randn(len(ctx_lens), 2 * group, d, generator=torch.Generator().manual_seed(1))
     if dtype == torch.bfloat16:
         q = q.bfloat16()
@@ -51,7 +29,7 @@ def test_decode_matches_the_reference(group, d, dtype, portable):
 
 
 def test_shared_blocks_and_an_empty_row():
-    kc, vc, _, bt = _filled([40], 1, 64, torch.float32, seed=5)
+    kc, vc, _, bt = scattered_kv_cache([40], 1, 64, torch.float32, seed=5)
     bt = torch.cat([bt, bt, bt])  # three sequences over the same blocks (a shared prefix)
     lens = torch.tensor([40, 20, 0])  # the last is padding: it attends over nothing
     q = torch.randn(3, 4, 64)

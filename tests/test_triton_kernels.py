@@ -8,6 +8,7 @@ import torch
 from kernels import attention as ref
 from kernels import norm, quant, rotary, triton_ops, triton_quant
 from kernels import triton_attention as tri
+from tests.tiny import empty_kv_cache, scattered_kv_cache
 
 BLOCK = 16
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # compiled on a GPU, interpreted elsewhere
@@ -15,34 +16,6 @@ DEV = "cuda" if torch.cuda.is_available() else "cpu"  # compiled on a GPU, inter
 
 def on(*xs):
     return [x.to(DEV) for x in xs]
-
-
-def _cache(num_blocks, kv_heads, d, dtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    kc = torch.zeros(num_blocks, kv_heads, BLOCK, d, dtype=dtype, device=DEV)
-    vc = torch.zeros_like(kc)
-    scales = ()
-    if dtype == torch.int8:
-        scales = (torch.zeros(num_blocks, kv_heads, BLOCK, dtype=torch.float16, device=DEV),
-                  torch.zeros(num_blocks, kv_heads, BLOCK, dtype=torch.float16, device=DEV))
-    return g, kc, vc, scales
-
-
-def _fill(ctx_lens, kv_heads, d, dtype, seed=0):
-    """A cache holding each sequence's KV in scattered (non-contiguous) blocks."""
-    g, kc, vc, scales = _cache(64, kv_heads, d, dtype, seed)
-    order = torch.randperm(64, generator=g).tolist()
-    tables = []
-    for ctx in ctx_lens:
-        nb = -(-ctx // BLOCK)
-        table, order = order[:nb], order[nb:]
-        tables.append(table)
-        slots = torch.tensor([table[p // BLOCK] * BLOCK + p % BLOCK for p in range(ctx)])
-        ref.write_kv(*on(torch.randn(ctx, kv_heads, d, generator=g), torch.randn(ctx, kv_heads, d, generator=g)), kc, vc,
-                     slots.to(DEV), *scales)
-    width = max(len(t) for t in tables)
-    bt = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=DEV)
-    return kc, vc, scales, bt
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
@@ -55,7 +28,7 @@ def test_store_kv_matches_reference(dtype):
     slots = torch.tensor([5, 16, 17, 40, -1, 3, 63], device=DEV)  # -1: a padded row, skipped
     out = []
     for store in (ref.write_kv, tri.write_kv):
-        _, kc, vc, scales = _cache(4, 3, 48, dtype)
+        kc, vc, scales = empty_kv_cache(4, 3, BLOCK, 48, dtype, DEV)
         keep = slots >= 0
         if store is ref.write_kv:
             store(k[keep], v[keep], kc, vc, slots[keep], *scales)
@@ -74,7 +47,8 @@ def test_store_kv_matches_reference(dtype):
 def test_decode_attention_matches_reference(group, dtype):
     kv_heads, d = 2, 64
     ctx_lens = [1, 17, 33, 100, 47]  # crossing block boundaries, one fresh token
-    kc, vc, scales, bt = _fill(ctx_lens, kv_heads, d, dtype, seed=group)
+    kc, vc, scales, bt = scattered_kv_cache(ctx_lens, kv_heads, d, dtype, group, BLOCK, DEV)
+    bt = bt.int()
     q = torch.randn(len(ctx_lens), kv_heads * group, d, generator=torch.Generator().manual_seed(7)).to(DEV)
     ctx = torch.tensor(ctx_lens, device=DEV)
     want = ref.decode_attention(q, kc, vc, bt, ctx, 0.125, *scales)
@@ -104,7 +78,8 @@ def test_decode_attention_splits_long_contexts_over_shared_blocks():
 def test_prefill_attention_matches_reference(group, dtype):
     kv_heads, d = 2, 64
     q_lens, ctx_lens = [5, 40, 1, 9], [5, 70, 17, 9]  # a fresh prompt, a chunk after a cached prefix, ...
-    kc, vc, scales, bt = _fill(ctx_lens, kv_heads, d, dtype, seed=10 + group)
+    kc, vc, scales, bt = scattered_kv_cache(ctx_lens, kv_heads, d, dtype, 10 + group, BLOCK, DEV)
+    bt = bt.int()
     q = torch.randn(sum(q_lens), kv_heads * group, d, generator=torch.Generator().manual_seed(8)).to(DEV)
     qsl = torch.tensor([0] + q_lens).cumsum(0).to(DEV)
     ctx = torch.tensor(ctx_lens, device=DEV)

@@ -121,3 +121,37 @@ def attend(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, sca
     meta.plan = backend.plan(meta)
     kv = (k_cache, v_cache) + ((k_scale, v_scale) if k_scale is not None else ())
     return backend.attend(q, kv, meta, scale)
+
+
+def empty_kv_cache(num_blocks: int, kv_heads: int, block_size: int, d: int, dtype: torch.dtype, device="cpu"):
+    """Zeroed K and V caches in the engine's layout, and for an int8 cache their per-token scales."""
+    kc = torch.zeros(num_blocks, kv_heads, block_size, d, dtype=dtype, device=device)
+    vc = torch.zeros_like(kc)
+    scales = ()
+    if dtype == torch.int8:
+        scales = tuple(torch.zeros(num_blocks, kv_heads, block_size, dtype=torch.float16, device=device)
+                       for _ in range(2))
+    return kc, vc, scales
+
+
+def scattered_kv_cache(ctx_lens: list[int], kv_heads: int, d: int, dtype: torch.dtype, seed: int,
+                       block_size: int = 16, device="cpu", num_blocks: int = 64):
+    """A cache holding each sequence's random K/V in blocks scattered over the pool (written by
+    the reference `write_kv`). Returns (k_cache, v_cache, scales, block tables [seqs, max blocks]
+    int64, padded with block 0)."""
+    from kernels.attention import write_kv
+
+    g = torch.Generator().manual_seed(seed)
+    kc, vc, scales = empty_kv_cache(num_blocks, kv_heads, block_size, d, dtype, device)
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    tables = []
+    for ctx in ctx_lens:
+        nb = -(-ctx // block_size)
+        table, order = order[:nb], order[nb:]
+        tables.append(table)
+        slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(ctx)])
+        k, v = torch.randn(ctx, kv_heads, d, generator=g), torch.randn(ctx, kv_heads, d, generator=g)
+        write_kv(k.to(device), v.to(device), kc, vc, slots.to(device), *scales)
+    width = max(len(t) for t in tables)
+    return kc, vc, scales, torch.tensor([t + [0] * (width - len(t)) for t in tables], device=device)
+

@@ -82,13 +82,9 @@ def layer_skip_model(target: nn.Module, args, num_layers: int):
 
 
 def _model_dtype(model: nn.Module) -> torch.dtype:
-    for p in model.parameters():
-        if p.is_floating_point():
-            return p.dtype
-    for p in model.target[0].parameters():
-        if p.is_floating_point():
-            return p.dtype
-    return torch.float32
+    """The dtype of a draft's floating weights (a layer-skip draft's live in its target)."""
+    source = model.target[0] if isinstance(model, LayerSkipDraft) else model
+    return next((p.dtype for p in source.parameters() if p.is_floating_point()), torch.float32)
 
 
 class DraftProposer:
@@ -112,7 +108,8 @@ class DraftProposer:
         self.backend.init_kv_cache(self.allocator.num_blocks, self.allocator.block_size)
         self.runner = ModelRunner(self.device, self.attention)
         self.generator = torch.Generator(device=self.device).manual_seed(seed + 1)
-        self.shadows: dict[int, tuple[Sequence, Sequence]] = {}  # target seq id -> (target, draft's sequence)
+        # target seq id -> (target, the draft's sequence, how many target tokens it was last given)
+        self.shadows: dict[int, tuple[Sequence, Sequence, int]] = {}
 
     @classmethod
     def from_path(cls, path: str, engine_config, registry, device, vocab_size: int, memory_gb: float, seed: int = 0):
@@ -127,12 +124,12 @@ class DraftProposer:
         return self.allocator.stats().num_free_blocks
 
     def _drop(self, seq_id: int) -> None:
-        _, shadow = self.shadows.pop(seq_id)
+        _, shadow, _ = self.shadows.pop(seq_id)
         self.allocator.free(shadow)
 
     def idle(self, seqs: list[Sequence]) -> None:
         """No drafts this step: only let go of the shadows of sequences that ended."""
-        for sid, (target, _) in list(self.shadows.items()):
+        for sid, (target, _, _) in list(self.shadows.items()):
             if target.is_finished:
                 self._drop(sid)
 
@@ -142,17 +139,19 @@ class DraftProposer:
         real = seq.token_ids
         if seq.seq_id not in self.shadows:
             shadow = Sequence(seq.request_id, real, SamplingParams(max_tokens=1 << 30, ignore_eos=True))
-            self.shadows[seq.seq_id] = (seq, shadow)
+            self.shadows[seq.seq_id] = (seq, shadow, len(real))
             return shadow
-        _, shadow = self.shadows[seq.seq_id]
-        fed, common = shadow.prompt_token_ids, 0
+        _, shadow, known = self.shadows[seq.seq_id]
+        fed = shadow.prompt_token_ids
         limit = min(shadow.num_computed_tokens, len(real) - 1)  # the last token is always fed again
+        common = min(known, limit)  # the target's tokens never change, so only the drafts after them can differ
         while common < limit and fed[common] == real[common]:
             common += 1
         if common < shadow.num_computed_tokens:
             shadow.num_computed_tokens = common
             self.allocator.truncate(shadow, common)
         shadow.prompt_token_ids = real
+        self.shadows[seq.seq_id] = (seq, shadow, len(real))
         return shadow
 
     def _forward(self, rows: list[ScheduledSeq]) -> torch.Tensor:
@@ -202,7 +201,7 @@ class DraftProposer:
                 toks.append(tokens[j])
                 if qs is not None:
                     qs.append(probs[j])
-                shadow.prompt_token_ids = shadow.prompt_token_ids + [tokens[j]]
+                shadow.prompt_token_ids.append(tokens[j])  # its own list, a copy of the target's tokens
                 if len(toks) < k:
                     nxt_rows.append((seq, shadow, k, 1))
                     nxt_step.append(ScheduledSeq(shadow, 1))

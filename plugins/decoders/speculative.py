@@ -61,6 +61,7 @@ class VerifyResult:
 
     tokens: list[list[int]]
     accepted: list[int]
+    offsets: list[int]  # sequence i's logits rows are offsets[i]:offsets[i + 1]
 
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -127,7 +128,7 @@ def verify(logits: torch.Tensor, num_drafts: list[int], drafts: list[list[int]],
             a += 1
         tokens.append(drafts[i][:a] + [host[r0 + a]])
         kept.append(a)
-    return VerifyResult(tokens, kept)
+    return VerifyResult(tokens, kept, offsets)
 
 
 def quantized_copy(engine_config, registry, device, quant: str):
@@ -236,9 +237,7 @@ class SpeculativeDecoder(SamplingDecoder):
                       noise=noise, draft_probs=[self._draft_probs.get(s.seq_id) for s in seqs])
         result = verify(logits.float(), num_drafts, drafts, greedy, **kw)
         out = DecoderOutput({s.seq_id: toks for s, toks in zip(seqs, result.tokens)})
-        offsets = [0]
-        for d in num_drafts:
-            offsets.append(offsets[-1] + d + 1)
+        offsets = result.offsets
         for i, (s, d, a) in enumerate(zip(seqs, num_drafts, result.accepted)):
             if d:
                 out.spec[s.seq_id] = (d, a)
