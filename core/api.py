@@ -26,6 +26,7 @@ from core.engine.interfaces import (
     Quantizer,
     Scheduler,
     SupportsCopyOnWrite,
+    SupportsDeadlines,
     SupportsDescribe,
     SupportsFork,
     SupportsTruncate,
@@ -34,6 +35,7 @@ from core.engine.interfaces import (
 from core.engine.records import RequestRecord, make_record
 from core.engine.registry import hookimpl
 from core.engine.scheduler_base import QueueScheduler, stop_status
+from core.engine.step_cost import SchedulerContext, StepCostModel, StepShape
 from core.engine.types import (
     CacheStats,
     DecoderOutput,
@@ -64,12 +66,12 @@ __all__ = [
     "SchedulerConfig",
     # contracts and capabilities
     "AttentionBackend", "Backend", "CacheAllocator", "Decoder", "Peer", "Quantizer", "Scheduler",
-    "SupportsCopyOnWrite", "SupportsDescribe", "SupportsFork", "SupportsTruncate", "has_capability",
+    "SupportsCopyOnWrite", "SupportsDeadlines", "SupportsDescribe", "SupportsFork", "SupportsTruncate", "has_capability",
     # data
     "AttentionMetadata", "CacheStats", "DecoderOutput", "KVCacheSpec", "ModelInput", "RequestRecord",
     "RequestTimings", "SamplingParams", "ScheduledSeq", "SchedulerOutput", "Sequence", "SequenceStatus", "StepStats",
     # base classes and helpers
-    "QueueScheduler", "stop_status", "make_record", "DTYPES", "kv_memory_budget",
+    "QueueScheduler", "stop_status", "SchedulerContext", "StepCostModel", "StepShape", "make_record", "DTYPES", "kv_memory_budget",
     "calibration_prompts", "capture_linear_inputs", "quantize_tied_embedding", "swap_linears",
     "PERMUTED_ARCHS", "gguf_to_hf_name", "unpermute_qk",
     # a second model beside the engine's (speculative drafts): its forward, inputs and weights

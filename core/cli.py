@@ -75,8 +75,19 @@ def cmd_run(args, cfg: DictConfig) -> int:
 
     if args.multirun:
         fixed, variants = expand_sweeps(args.overrides)
-        return compare(fixed, variants, None, run_config(cfg).name)
+        return compare(rate_sweep_arrivals(fixed, variants), variants, None, run_config(cfg).name)
     return run_benchmark(cfg)
+
+
+def rate_sweep_arrivals(fixed: list[str], variants: list[list[str]]) -> list[str]:
+    """A sweep over workload.rate means open-loop arrivals at that rate: Poisson unless the command
+    line names the arrival process."""
+    swept = any(o.startswith("workload.rate=") for var in variants for o in var)
+    named = any(o.startswith("workload.arrival=") for o in fixed + [o for var in variants for o in var])
+    if swept and not named:
+        print("workload.rate is swept: arrivals are Poisson (workload.arrival=poisson)")
+        return fixed + ["workload.arrival=poisson"]
+    return fixed
 
 
 def cmd_compare(args, cfg: DictConfig) -> int:

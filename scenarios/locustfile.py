@@ -35,6 +35,8 @@ def _payload(prompt: str, output_len: int, model: str, messages: list | None = N
             "stream_options": {"include_usage": True}}
     if SPEC.get("ignore_eos", True):
         body["ignore_eos"] = True  # vLLM, SGLang and servelab accept it; turn off for servers that refuse it
+    if SPEC.get("slo"):  # servelab's extra fields: the workload's targets (other servers ignore them)
+        body.update(SPEC["slo"])
     if messages is not None:
         body["messages"] = messages
     else:

@@ -58,6 +58,9 @@ class WorkloadConfig:
     arrival: str = "all_at_once"  # all_at_once | poisson | gamma | trace
     rate: float = 4.0  # requests per second (poisson, gamma)
     burstiness: float = 1.0  # gamma: coefficient of variation of the gaps (1 = Poisson)
+    # the targets every request carries (SamplingParams.slo_*) and goodput counts; None: run.slo_*
+    slo_ttft_s: float | None = None
+    slo_tpot_s: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -87,7 +90,8 @@ class Workload:
         o = np.array([r.output_len for r in self.requests])
         return {
             "name": self.config.name, "kind": self.config.kind, "num_requests": len(self.requests),
-            "arrival": self.config.arrival, "length_scale": round(self.scale, 4), "num_capped": self.num_capped,
+            "arrival": self.config.arrival + (f" at {self.config.rate:g} req/s" if self.config.arrival in
+                                              ("poisson", "gamma") else ""), "length_scale": round(self.scale, 4), "num_capped": self.num_capped,
             "prompt_tokens": _stats(p), "output_tokens": _stats(o), "notes": self.notes,
         }
 

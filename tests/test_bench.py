@@ -41,7 +41,10 @@ def test_run_writes_a_complete_report(base, tmp_path):
     assert report["machine"]["cores"] >= 1 and report["workload"]["num_requests"] == 6
     assert report["steps"] and all("kv_usage" in st for st in report["steps"])
     md = (out / "report.md").read_text()
-    for section in ("## Throughput", "## Latency", "## The physical limit", "![timeline.png](timeline.png)"):
+    cost = s["step_cost"]  # the engine's online model of its step time, fitted on this run's steps
+    assert cost["num_steps"] + cost["num_outliers"] >= len(report["steps"]) and cost["coefficients_s"]["overhead"] > 0
+    for section in ("## Throughput", "## Latency", "## The physical limit", "## Step-cost model (learned online)",
+                    "![timeline.png](timeline.png)"):
         assert section in md
     for png in ("latency_cdf.png", "latency_percentiles.png", "timeline.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
@@ -63,6 +66,15 @@ def test_multirun_sweep_expands_to_variants():
     assert fixed == ["cache=paged"]
     assert variants == [["scheduler=static", "model.dtype=fp32"], ["scheduler=static", "model.dtype=bf16"],
                         ["scheduler=continuous", "model.dtype=fp32"], ["scheduler=continuous", "model.dtype=bf16"]]
+
+
+def test_a_rate_sweep_means_poisson_arrivals_unless_named():
+    from core.cli import rate_sweep_arrivals
+
+    fixed, variants = expand_sweeps(["workload.rate=0.5,1", "scheduler=slo"])
+    assert rate_sweep_arrivals(fixed, variants) == ["scheduler=slo", "workload.arrival=poisson"]
+    assert rate_sweep_arrivals(fixed + ["workload.arrival=gamma"], variants)[-1] == "workload.arrival=gamma"
+    assert rate_sweep_arrivals(*expand_sweeps(["scheduler=static,slo"])) == []
 
 
 def test_requests_larger_than_the_pool_are_counted_as_rejected(base, tmp_path):

@@ -64,6 +64,11 @@ def test_overrides_may_follow_flags():
     (["serve", "server.port=99999"], ["server.port must be in 1..65535, got 99999"]),
     (["serve", "server.fallback=nope"], ["server.fallback='nope' names no server.models entry"]),
     (["serve", "server.max_queue=0"], ["server.max_queue must be at least 1"]),
+    (["serve", "server.shed=true"], ["server.shed=true needs a scheduler that predicts TTFT", "'continuous'"]),
+    (["serve", "server.pool_slo={nope:{ttft_s:1}}"], ["server.pool_slo.nope names no pool"]),
+    (["serve", "server.pool_slo={chat:{ttft:1}}"], ["server.pool_slo.chat must map ttft_s and/or tpot_s"]),
+    (["run", "run.shed=true"], ["run.shed=true needs a scheduler that predicts TTFT"]),
+    (["run", "scheduler=slo", "scheduler.tpot_target_s=0"], ["scheduler.tpot_target_s must be positive"]),
     (["run", "workload=nope"], ["workload", "chat_longtail, code_edit, code_longtail, decode_heavy, fixed, long_context, "
                                 "shared_prefix, trace, uniform"]),
     (["run", "model.max_model_len=1"], ["model.max_model_len must be at least 2", "got 1"]),

@@ -273,6 +273,24 @@ def test_guard_rails(start_server):
     assert 'reason="queue_full"' in text and 'reason="unauthorized"' in text and 'reason="body_too_large"' in text
 
 
+def test_shedding_refuses_late_requests_with_429_and_pool_targets_apply(start_server):
+    base = start_server("scheduler=slo", "server.shed=true", "server.pool_slo={agent:{ttft_s:0.000001}}")
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 12, "ignore_eos": True}
+    for _ in range(2):  # the engine's step-cost model learns from these steps
+        assert httpx.post(f"{base}/v1/completions", json=body, timeout=60).status_code == 200
+    late = httpx.post(f"{base}/v1/completions", json={**body, "slo_ttft_s": 1e-6})
+    assert late.status_code == 429 and late.json()["error"]["type"] == "rate_limit_error"
+    assert int(late.headers["retry-after"]) >= 1 and "TTFT target" in late.json()["error"]["message"]
+    assert httpx.post(f"{base}/v1/completions", json={**body, "slo_ttft_s": 600}, timeout=60).status_code == 200
+    pool = {"X-Servelab-Pool": "agent"}  # the pool's default target is impossible; the request's own wins
+    assert httpx.post(f"{base}/v1/completions", json=body, headers=pool).status_code == 429
+    assert httpx.post(f"{base}/v1/completions", json={**body, "slo_ttft_s": 600}, headers=pool,
+                      timeout=60).status_code == 200
+    assert _metric(base, "servelab:request_rejected_total", model_name=MODEL, reason="deadline") == 2.0
+    bad = httpx.post(f"{base}/v1/completions", json={**body, "slo_tpot_s": -1})
+    assert bad.status_code == 400 and "slo_tpot_s" in bad.text
+
+
 def test_degradation_switch_turns_on_under_overload_and_off_again(start_server):
     base = start_server("server.max_queue=100", "server.degrade_waiting_high=4", "server.degrade_waiting_low=0",
                         "server.degrade_kv_low=0.95", "server.degrade_max_input_tokens=8", "scheduler.max_num_seqs=2",

@@ -11,7 +11,7 @@ from core.engine.engine import Engine
 from core.engine.records import sequence_record
 from core.engine.registry import hookimpl
 from core.engine.types import SamplingParams, StepStats
-from core.errors import RequestError
+from core.errors import DeadlineError, RequestError
 from scenarios.workloads import Workload, WorkloadConfig
 
 
@@ -38,9 +38,15 @@ class Recorder:
         self.steps.append(d)
 
 
-def forced_length(output_len: int) -> SamplingParams:
+def slo_targets(wc: WorkloadConfig, rc) -> tuple[float, float]:
+    """The (TTFT, TPOT) targets of a run: the workload's own, else the run's goodput SLOs."""
+    return (wc.slo_ttft_s or rc.slo_ttft_s, wc.slo_tpot_s or rc.slo_tpot_s)
+
+
+def forced_length(output_len: int, slo: tuple[float, float] | None = None) -> SamplingParams:
     # Output length is forced, as in vLLM's benchmarks: greedy, ignore EOS, exactly output_len tokens.
-    return SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    ttft, tpot = slo or (None, None)
+    return SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True, slo_ttft_s=ttft, slo_tpot_s=tpot)
 
 
 def progress_bar(total: int, desc: str, enabled: bool):
@@ -49,8 +55,11 @@ def progress_bar(total: int, desc: str, enabled: bool):
     return tqdm(total=total, desc=desc, unit="req", disable=not enabled, leave=False)
 
 
-def drive_engine(engine: Engine, workload: Workload, progress: bool = True):
-    """Replay the workload's arrivals against the engine; returns (records, steps, duration_s, rejected)."""
+def drive_engine(engine: Engine, workload: Workload, progress: bool = True, slo: tuple[float, float] | None = None,
+                 shed: bool = False):
+    """Replay the workload's arrivals against the engine, each request carrying the `slo` targets
+    (and refused at arrival when `shed` and it cannot make them); returns (records, steps,
+    duration_s, rejected)."""
     pending = sorted(workload.requests, key=lambda r: r.arrival_s)
     start = time.perf_counter()
     recorder = Recorder(start)
@@ -66,10 +75,11 @@ def drive_engine(engine: Engine, workload: Workload, progress: bool = True):
                 r = pending[i]
                 i += 1
                 try:
-                    engine.add_request(prompt_token_ids=r.prompt_token_ids, params=forced_length(r.output_len),
-                                       request_id=f"{r.index}", arrival_time=start + r.arrival_s)
-                except RequestError as e:  # e.g. larger than the whole KV pool: counted, not fatal
-                    rejected.append({"request_id": str(r.index), "reason": str(e)})
+                    engine.add_request(prompt_token_ids=r.prompt_token_ids, params=forced_length(r.output_len, slo),
+                                       request_id=f"{r.index}", arrival_time=start + r.arrival_s, shed=shed)
+                except RequestError as e:  # e.g. larger than the whole KV pool, or shed: counted, not fatal
+                    rejected.append({"request_id": str(r.index), "reason": str(e),
+                                     "kind": "deadline" if isinstance(e, DeadlineError) else "invalid"})
                     bar.update(1)
             if engine.has_unfinished():
                 done_before = len(recorder.records)

@@ -23,7 +23,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from core.bench import report
-from core.bench.driver import workload_config
+from core.bench.driver import slo_targets, workload_config
 from core.bench.roofline import machine_info
 from core.bench.summary import summarize
 from core.config.schema import run_config, section
@@ -174,11 +174,15 @@ def server_metrics(url: str, api_key: str | None) -> dict:
     return out
 
 
-def _stage_result(cfg, sc: ScenarioConfig, rc, url: str, workload, users: int, rate: float, records, wall) -> dict:
+def _stage_result(cfg, sc: ScenarioConfig, rc, wc, url: str, workload, users: int, rate: float, records, wall
+                  ) -> dict:
     ok = [r for r in records if not r["error"]]
-    summary = summarize(ok, wall, [], rc.slo_ttft_s, rc.slo_tpot_s)
+    refused = [r for r in records if r["error"] and r["error"].startswith("HTTP 429")]  # shed or queue full
+    summary = summarize(ok, wall, [], *slo_targets(wc, rc), num_rejected=len(refused))
     summary["failures"] = len(records) - len(ok)
+    extra = {"offered_rate": users * rate} if sc.ramp_rates else {}
     return {
+        **extra,
         "label": f"{sc.name} users={users}" + (f" rate={rate:g}" if sc.ramp_rates else ""), "users": users,
         "rate_per_user": rate, "config": OmegaConf.to_container(cfg, resolve=True), "target": url,
         "model": {"path": url, "architecture": "remote", "dtype": "-"}, "kv_cache": "see the server's /metrics",
@@ -204,6 +208,8 @@ def run_bench(cfg: DictConfig, overrides: list[str]) -> int:
         spec = {"name": sc.name, "model": model, "api_key": tc.api_key, "ignore_eos": tc.ignore_eos,
                 "timeout_s": tc.timeout_s, "rate_per_user": sc.rate_per_user, "burstiness": sc.burstiness,
                 "max_requests": sc.max_requests, "agent": sc.agent, "chat": sc.chat,
+                "slo": dict(zip(("slo_ttft_s", "slo_tpot_s"), slo_targets(wc, rc))) if wc.slo_ttft_s or wc.slo_tpot_s
+                else None,
                 "requests": [{"prompt": tokenizer.decode(r.prompt_token_ids), "output_len": r.output_len}
                              for r in workload.requests]}
         stages = _stages(sc)
@@ -212,7 +218,7 @@ def run_bench(cfg: DictConfig, overrides: list[str]) -> int:
             tag = f"u{users}" + (f"-r{rate:g}" if sc.ramp_rates else "")
             records, wall = run_locust({**spec, "rate_per_user": rate}, url, users, max(sc.spawn_rate, users),
                                        sc.stage_s if len(stages) > 1 else sc.duration_s, out, tag, tc.workers)
-            results.append(_stage_result(cfg, sc, rc, url, workload, users, rate, records, wall))
+            results.append(_stage_result(cfg, sc, rc, wc, url, workload, users, rate, records, wall))
         results[-1]["server_metrics"] = server_metrics(url, tc.api_key)  # cumulative over the stages
         if len(results) == 1:
             report.write_run(results[0], name, rc)

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from core.bench import plots as plotting
+from core.bench.capacity import capacities, capacity_markdown, capacity_plot, step_cost_markdown
 from core.config.schema import RunConfig
 
 VERSION = 1
@@ -122,6 +123,7 @@ def run_markdown(result: dict, plots: list[str]) -> str:
         "this process does not run (see its own metrics)", "",
     ]
     lines += spec_decode_md(s.get("spec_decode"))
+    lines += step_cost_markdown(s)
     lines += server_metrics_md(result.get("server_metrics"))
     if plots:
         lines += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
@@ -180,7 +182,7 @@ def comparison_markdown(results: list[dict], plots: list[str]) -> str:
         f"## Ratios against `{base['label']}`", "",
         _md_table(["run", "output tok/s", "total tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "E2E p99"], ratios), "",
         "Throughput ratios > 1 and latency ratios < 1 favour the row.", "",
-    ]
+    ] + capacity_markdown(results)
     spec = [[r["label"], f"{sd['acceptance_rate'] * 100:.1f} %", _f(sd["mean_accepted_length"], 2), sd["num_draft_tokens"]]
             for r in results if (sd := r["summary"].get("spec_decode"))]
     if spec:
@@ -222,8 +224,10 @@ def write_comparison(results: list[dict], name: str, rc: RunConfig) -> Path:
     out = Path(rc.report_dir) / name
     out.mkdir(parents=True, exist_ok=True)
     images = plotting.run_plots(results, out) if rc.plots else []
+    curve = capacity_plot(results, out / "slo_capacity.png") if rc.plots else None
+    images += [curve] if curve else []
     _write_json(out / "report.json", {"name": name, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                                      "report_version": VERSION, "runs": results})
+                                      "report_version": VERSION, "slo_capacity": capacities(results), "runs": results})
     (out / "report.md").write_text(comparison_markdown(results, images))
     return out
 
@@ -244,6 +248,7 @@ def curve_markdown(results: list[dict], plots: list[str], knee: dict | None) -> 
     lines = [f"# servelab load curve: {results[0]['label'].split(' users=')[0]}", "",
              f"- target: {results[0].get('target')}", "", _workload_md(results[0]["workload"]), "",
              "## Throughput against latency", "", _md_table(head, rows), "", verdict, ""]
+    lines += capacity_markdown(results)
     lines += server_metrics_md(results[-1].get("server_metrics"))
     if plots:
         lines += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
@@ -263,7 +268,10 @@ def write_curve(results: list[dict], name: str, rc: RunConfig) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     knee = find_knee(results)
     images = (plotting.run_plots(results, out) + [plotting.load_curve(results, out / "load_curve.png")]) if rc.plots else []
+    curve = capacity_plot(results, out / "slo_capacity.png") if rc.plots else None
+    images += [curve] if curve else []
     _write_json(out / "report.json", {"name": name, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                                      "report_version": VERSION, "knee": knee, "stages": results})
+                                      "report_version": VERSION, "knee": knee, "slo_capacity": capacities(results),
+                                      "stages": results})
     (out / "report.md").write_text(curve_markdown(results, images, knee))
     return out

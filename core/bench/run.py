@@ -10,12 +10,19 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from core.bench import report
-from core.bench.driver import drive_engine, progress_bar, warm_up, workload_config
+from core.bench.driver import drive_engine, progress_bar, slo_targets, warm_up, workload_config
 from core.bench.roofline import CostModel, machine_rates, weight_bytes
 from core.bench.summary import summarize
 from core.config.compose import compose
-from core.config.schema import EngineConfig, PeerConfig, run_config
-from core.engine.components import engine_config, model_args, model_tokenizer, resolve_device, resolve_model_path
+from core.config.schema import EngineConfig, PeerConfig, RunConfig, run_config
+from core.engine.components import (
+    engine_config,
+    model_args,
+    model_tokenizer,
+    require_shedding,
+    resolve_device,
+    resolve_model_path,
+)
 from core.engine.engine import Engine
 from core.engine.interfaces import has_capability
 from core.engine.registry import get_registry
@@ -38,6 +45,7 @@ class Measured:
     workload: object
     rejected: list[dict] = field(default_factory=list)
     is_peer: bool = False
+    step_cost: dict | None = None  # the engine's online step-cost model at the end of the run
 
 
 def peer_config(cfg: DictConfig) -> PeerConfig | None:
@@ -52,19 +60,20 @@ def default_run_name(ec: EngineConfig, wc: WorkloadConfig, peer: PeerConfig | No
     return f"{wc.name}-{system}-{ec.model.dtype}"
 
 
-def measure_engine(ec: EngineConfig, wc: WorkloadConfig, warmup: int, progress: bool) -> Measured:
+def measure_engine(ec: EngineConfig, wc: WorkloadConfig, rc: RunConfig) -> Measured:
     workload = build_workload(wc, ec.model.max_model_len)  # a bad workload fails before the model loads
     engine = Engine(ec)
     materialize(workload, engine.tokenizer)
-    warm_up(engine, warmup)
+    warm_up(engine, rc.warmup_requests)
     base = engine.allocator.stats()
-    records, steps, duration, rejected = drive_engine(engine, workload, progress)
+    records, steps, duration, rejected = drive_engine(engine, workload, rc.progress, slo_targets(wc, rc), rc.shed)
     for s in steps:  # counters are cumulative: count this run only
         s["prefix_queries"] -= base.prefix_queries
         s["prefix_hits"] -= base.prefix_hits
     kv = engine.allocator.describe() if has_capability(engine.allocator, "describe") else ""
     return Measured(records, steps, duration, engine.loaded.args, weight_bytes(engine.model),
-                    engine.kv_spec.bytes_per_token, kv, workload, rejected)
+                    engine.kv_spec.bytes_per_token, kv, workload, rejected,
+                    step_cost=engine.core.context.cost_model.to_dict())
 
 
 def measure_peer(ec: EngineConfig, wc: WorkloadConfig, pc: PeerConfig, warmup: int, progress: bool) -> Measured:
@@ -101,17 +110,26 @@ def roofline(m: Measured, summary: dict, dtype: str, rates: dict) -> dict:
     }
 
 
+def check(cfg: DictConfig) -> tuple:
+    """Every section of a run's config, checked before any model loads."""
+    ec, rc, wc, pc = engine_config(cfg), run_config(cfg), workload_config(cfg), peer_config(cfg)
+    if rc.shed and not pc:
+        require_shedding(ec, "run.shed")
+    return ec, rc, wc, pc
+
+
 def run_one(cfg: DictConfig, label: str | None = None) -> dict:
     """Build, warm up, run one configuration on its workload; returns the report dict."""
-    ec, rc, wc, pc = engine_config(cfg), run_config(cfg), workload_config(cfg), peer_config(cfg)
+    ec, rc, wc, pc = check(cfg)
     rates = machine_rates(rc.remeasure_machine, resolve_device(ec.model.device))
     m = measure_peer(ec, wc, pc, rc.warmup_requests, rc.progress) if pc else \
-        measure_engine(ec, wc, rc.warmup_requests, rc.progress)
+        measure_engine(ec, wc, rc)
     gc.collect()
     if torch.cuda.is_available():  # the next run (or peer) gets the device's memory back
         torch.cuda.empty_cache()
-    summary = summarize(m.records, m.duration_s, m.steps, rc.slo_ttft_s, rc.slo_tpot_s)
-    summary["rejected"] = len(m.rejected)
+    summary = summarize(m.records, m.duration_s, m.steps, *slo_targets(wc, rc), num_rejected=len(m.rejected))
+    if m.step_cost:
+        summary["step_cost"] = m.step_cost
     args = m.args
     return {
         "label": label or default_run_name(ec, wc, pc),
@@ -143,8 +161,7 @@ def run_benchmark(cfg: DictConfig) -> int:
 def compare(base_overrides: list[str], variants: list[list[str]], labels: list[str] | None, name: str | None) -> int:
     """Run each variant (base overrides + its own) on the same workload; one comparison report."""
     for var in variants:  # every variant checked before the first one runs
-        cfg = compose(base_overrides + var)
-        engine_config(cfg), workload_config(cfg), peer_config(cfg)
+        check(compose(base_overrides + var))
     results = []
     for i, var in enumerate(variants):
         cfg = compose(base_overrides + var)

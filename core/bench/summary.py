@@ -29,8 +29,9 @@ def meets_slo(record: dict, slo_ttft_s: float, slo_tpot_s: float) -> bool:
 
 
 def summarize(records: list[dict], duration_s: float, steps: list[dict] | None = None,
-              slo_ttft_s: float = 1.0, slo_tpot_s: float = 0.05) -> dict:
-    """Aggregates of one run: throughput, latency percentiles, KV usage, prefix hits, goodput."""
+              slo_ttft_s: float = 1.0, slo_tpot_s: float = 0.05, num_rejected: int = 0) -> dict:
+    """Aggregates of one run: throughput, latency percentiles, KV usage, prefix hits, goodput.
+    Refused requests (`num_rejected`) count against the SLO attainment: they were not served."""
     steps = steps or []
     n_out = sum(r["num_output_tokens"] for r in records)
     n_in = sum(r["num_prompt_tokens"] for r in records)
@@ -44,7 +45,9 @@ def summarize(records: list[dict], duration_s: float, steps: list[dict] | None =
         "total_tok_s": (n_in + n_out) / duration_s if duration_s > 0 else 0.0,
         "req_s": len(records) / duration_s if duration_s > 0 else 0.0,
         "goodput_req_s": good / duration_s if duration_s > 0 else 0.0,
-        "slo": {"ttft_s": slo_ttft_s, "tpot_s": slo_tpot_s, "attained": good / len(records) if records else 0.0},
+        "slo": {"ttft_s": slo_ttft_s, "tpot_s": slo_tpot_s,
+                "attained": good / (len(records) + num_rejected) if records or num_rejected else 0.0},
+        "rejected": num_rejected,
         "preemptions": sum(r.get("num_preemptions", 0) for r in records),
     }
     for key in LATENCY_KEYS:

@@ -17,7 +17,7 @@ from omegaconf import DictConfig, open_dict
 
 from core.config.schema import BASE_CONFIGS, COMPONENT_KINDS
 
-OPEN_MAPS = ("server.models", "server.pools")  # maps whose keys are the user's to name: no `+` needed
+OPEN_MAPS = ("server.models", "server.pools", "server.pool_slo")  # maps whose keys are the user's to name: no `+` needed
 
 
 def group_options(group: str) -> set[str]:

@@ -104,6 +104,7 @@ class RunConfig:
     warmup_requests: int = 2
     slo_ttft_s: float = 1.0  # the seed's healthy references for chat
     slo_tpot_s: float = 0.05
+    shed: bool = False  # refuse at arrival a request the scheduler predicts will miss its TTFT target
     remeasure_machine: bool = False
     plots: bool = True
     progress: bool = True

@@ -13,6 +13,7 @@ import torch
 from core.config.schema import DTYPE_NAMES, ENGINE_KINDS, EngineConfig, ModelConfig, section
 from core.engine.interfaces import has_capability
 from core.engine.registry import Registry, get_registry
+from core.engine.step_cost import SchedulerContext
 from core.engine.types import KVCacheSpec
 from core.errors import ConfigError
 from core.model.dummy import dummy_args, dummy_model
@@ -63,6 +64,14 @@ def validate(ec: EngineConfig) -> None:
     resolve_device(ec.model.device)
     if ec.model.load_format not in ("auto", "dummy"):
         raise ConfigError(f"model.load_format must be auto or dummy, got '{ec.model.load_format}'")
+
+
+def require_shedding(ec: EngineConfig, where: str, registry: Registry | None = None) -> None:
+    """Load shedding needs a scheduler that predicts TTFT: say so before any model loads."""
+    factory = (registry or get_registry()).get("scheduler", ec.scheduler.name).factory
+    if "deadlines" not in getattr(factory, "capabilities", ()):
+        raise ConfigError(f"{where}=true needs a scheduler that predicts TTFT (scheduler=slo); "
+                          f"'{ec.scheduler.name}' does not")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -129,6 +138,7 @@ class EngineParts:
     scheduler: Any
     decoder: Any
     runner: ModelRunner
+    context: SchedulerContext  # the engine's step-cost model and clock, shared with its scheduler
 
 
 def build_parts(config: EngineConfig, registry: Registry, loaded: LoadedModel | None = None) -> EngineParts:
@@ -152,9 +162,10 @@ def build_parts(config: EngineConfig, registry: Registry, loaded: LoadedModel | 
     backend = registry.create("backend", config.backend, model=model, spec=kv_spec, attention=attention, device=device,
                               max_num_seqs=config.scheduler.max_num_seqs)
     backend.init_kv_cache(allocator.num_blocks, allocator.block_size)
-    scheduler = registry.create("scheduler", config.scheduler, allocator=allocator)
+    context = SchedulerContext()
+    scheduler = registry.create("scheduler", config.scheduler, allocator=allocator, context=context)
     # a speculative decoder drafts with the target itself (`self`), a second model or the text
     decoder = registry.create("decoder", config.decoder, vocab_size=args.vocab_size, seed=config.seed, model=model,
                               model_args=args, engine_config=config, registry=registry, device=device)
     return EngineParts(config, loaded, model, device, kv_spec, quantizer, allocator, attention, backend, scheduler,
-                       decoder, ModelRunner(device, attention))
+                       decoder, ModelRunner(device, attention), context)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from core.engine.interfaces import has_capability
+from core.engine.step_cost import SchedulerContext, StepShape
 from core.engine.types import ScheduledSeq, SchedulerOutput, Sequence, SequenceStatus, StepStats
 
 
@@ -26,8 +27,10 @@ class StepResult:
 
 
 class EngineCore:
-    def __init__(self, scheduler, allocator, backend, decoder, runner, hooks) -> None:
+    def __init__(self, scheduler, allocator, backend, decoder, runner, hooks, context: SchedulerContext | None = None
+                 ) -> None:
         self.scheduler, self.allocator, self.backend = scheduler, allocator, backend
+        self.context = context or SchedulerContext()  # its cost model learns from every step here
         self.decoder, self.runner, self.hooks = decoder, runner, hooks
         self.can_fork = has_capability(allocator, "fork")
         self.copy_on_write = has_capability(allocator, "copy_on_write")
@@ -75,6 +78,8 @@ class EngineCore:
             self.backend.copy_blocks(self.allocator.take_block_copies())
         logits = self.backend.execute(batch)
         stats = self._stats(out, batch)
+        shape = StepShape.of_stats(stats)
+        stats.predicted_s = self.context.cost_model.predict(shape) if self.context.cost_model.ready else None
         sampling = [out.scheduled[i] for i in batch.sample_rows]
         logits, sampling = self._fork(out, logits, sampling)
         decoded = self.decoder.accept(logits, sampling, None)
@@ -94,6 +99,7 @@ class EngineCore:
                 stats.accepted_per_pos[pos] += 1
         self.step_count += 1
         stats.step, stats.time, stats.duration_s = self.step_count, now, now - started
+        self.context.cost_model.observe(shape, stats.duration_s)
         stats.num_running, stats.num_waiting = self.scheduler.num_running, self.scheduler.num_waiting
         stats.engine = self.name
         self._cache_stats(stats)

@@ -13,11 +13,12 @@ from collections.abc import Iterable
 from core.config.schema import EngineConfig
 from core.engine.components import build_parts
 from core.engine.core import EngineCore
+from core.engine.interfaces import has_capability
 from core.engine.output import OutputProcessor, RequestState
 from core.engine.records import sequence_record
 from core.engine.registry import get_registry
 from core.engine.types import RequestOutput, SamplingParams, Sequence, SequenceStatus, StepStats
-from core.errors import RequestError
+from core.errors import ConfigError, DeadlineError, RequestError
 
 
 class Engine:
@@ -32,7 +33,7 @@ class Engine:
         self.max_model_len = config.model.max_model_len
         self.hooks = self.registry.pm.hook
         self.core = EngineCore(parts.scheduler, parts.allocator, parts.backend, parts.decoder, parts.runner,
-                               self.hooks)
+                               self.hooks, parts.context)
         self.output = OutputProcessor(self.tokenizer)
         self.name = config.model.name
 
@@ -77,7 +78,9 @@ class Engine:
 
     def add_request(self, prompt: str | list[int] | None = None, params: SamplingParams | None = None, *,
                     request_id: str | None = None, prompt_token_ids: list[int] | None = None, priority: int = 0,
-                    arrival_time: float | None = None) -> str:
+                    arrival_time: float | None = None, shed: bool = False) -> str:
+        """Queue a request; returns its id. `shed`: refuse it at once (DeadlineError) when the
+        scheduler predicts it would miss its TTFT target."""
         params = params or SamplingParams()
         prompt, ids = self._prompt_ids(prompt, prompt_token_ids)
         request_id = request_id or uuid.uuid4().hex
@@ -90,9 +93,20 @@ class Engine:
         if not self.allocator.can_admit(seqs[0]):
             raise RequestError(f"prompt of {len(ids)} tokens can never fit the KV cache "
                                f"({self.allocator.num_blocks} blocks of {self.allocator.block_size} tokens)")
+        if shed:
+            self._shed(seqs[0])
         self.output.add(request_id, prompt, ids, seqs)
         self.core.add(seqs)
         return request_id
+
+    def _shed(self, seq: Sequence) -> None:
+        if not has_capability(self.scheduler, "deadlines"):
+            raise ConfigError(f"load shedding needs a scheduler that predicts TTFT (scheduler=slo); "
+                              f"'{self.config.scheduler.name}' does not")
+        predicted, target = self.scheduler.predict_ttft(seq), self.scheduler.ttft_target(seq)
+        if predicted > target:
+            raise DeadlineError(f"the request would get its first token in about {predicted:.1f} s, past its "
+                                f"TTFT target of {target:g} s; retry later", predicted, target)
 
     def abort(self, request_id: str) -> None:
         state = self.requests.get(request_id)

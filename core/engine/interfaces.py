@@ -109,6 +109,16 @@ class Scheduler(Protocol):
     def num_running(self) -> int: ...
 
 
+class SupportsDeadlines(Protocol):
+    """A scheduler that knows each request's TTFT target and can predict when a new request would
+    get its first token: the engine can then refuse at once what cannot make it (load shedding)."""
+
+    def ttft_target(self, seq: Sequence) -> float: ...
+
+    def predict_ttft(self, seq: Sequence) -> float:
+        """Seconds from now to the first token of `seq` (not yet queued) if it were queued now."""
+
+
 class Decoder(Protocol):
     """Accept after the forward pass; propose drafts for the next one (speculative decoding)."""
 
@@ -179,6 +189,7 @@ CONTRACTS: dict[str, type] = {
     "attention": AttentionBackend, "peer": Peer,
 }
 CAPABILITIES: dict[str, dict[str, type]] = {
+    "scheduler": {"deadlines": SupportsDeadlines},
     "cache": {"fork": SupportsFork, "copy_on_write": SupportsCopyOnWrite, "truncate": SupportsTruncate,
               "describe": SupportsDescribe},
     "attention": {"cuda_graphs": SupportsCudaGraphs},

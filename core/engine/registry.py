@@ -27,6 +27,7 @@ ENTRY_POINT_GROUP = "servelab.plugins"
 BUILTIN_PLUGINS = (
     "plugins.schedulers.static",
     "plugins.schedulers.continuous",
+    "plugins.schedulers.slo",
     "plugins.cache.contiguous",
     "plugins.cache.paged",
     "plugins.quant.none",
@@ -34,6 +35,7 @@ BUILTIN_PLUGINS = (
     "plugins.quant.int4",
     "plugins.quant.gguf",
     "plugins.decoders.sampling",
+    "plugins.decoders.speculative",
     "plugins.backends.torch_backend",
     "plugins.attention.torch_ref",
     "plugins.attention.triton_attn",

@@ -12,6 +12,7 @@ import time
 
 from core.config.schema import SchedulerConfig
 from core.engine.interfaces import CacheAllocator, has_capability
+from core.engine.step_cost import SchedulerContext
 from core.engine.types import DecoderOutput, ScheduledSeq, SchedulerOutput, Sequence, SequenceStatus
 
 
@@ -30,9 +31,11 @@ class QueueScheduler:
     """Waiting and running lists, admission, retirement and the state updates. Subclasses
     implement `schedule`."""
 
-    def __init__(self, config: SchedulerConfig, allocator: CacheAllocator) -> None:
+    def __init__(self, config: SchedulerConfig, allocator: CacheAllocator, context: SchedulerContext | None = None
+                 ) -> None:
         self.config = config
         self.allocator = allocator
+        self.context = context or SchedulerContext()  # the engine's step-cost model and clock
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
 

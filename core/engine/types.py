@@ -33,6 +33,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # how many top logprobs to return per token (0: only the chosen)
+    slo_ttft_s: float | None = None  # service-level targets (None: the scheduler's defaults)
+    slo_tpot_s: float | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -55,6 +57,9 @@ class SamplingParams:
             raise RequestError(f"n must be between 1 and {MAX_N}, got {self.n}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise RequestError(f"logprobs must be between 0 and 20, got {self.logprobs}")
+        for name, value in (("slo_ttft_s", self.slo_ttft_s), ("slo_tpot_s", self.slo_tpot_s)):
+            if value is not None and not (isinstance(value, (int, float)) and value > 0):
+                raise RequestError(f"{name} must be a positive number of seconds, got {value!r}")
 
     @property
     def greedy(self) -> bool:
@@ -270,6 +275,7 @@ class StepStats:
     num_accepted_tokens: int = 0  # of which kept
     accepted_per_pos: list[int] = field(default_factory=list)  # kept drafts by position in their run
     engine: str = ""  # the engine's name (its served model name)
+    predicted_s: float | None = None  # the engine's step-cost model's prediction, made before the step ran
 
 
 @dataclass

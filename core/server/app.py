@@ -23,7 +23,7 @@ from pydantic import BaseModel, ValidationError
 from core.config.compose import compose
 from core.config.schema import section
 from core.engine.async_engine import AsyncEngine
-from core.engine.components import engine_config, resolve_device
+from core.engine.components import engine_config, require_shedding, resolve_device
 from core.engine.engine import Engine
 from core.engine.types import SamplingParams
 from core.server import protocol
@@ -153,6 +153,8 @@ def engine_configs(cfg, overrides: list[str], sc: ServerConfig) -> dict:
     for name, extra in sc.models.items():
         configs[name] = engine_config(compose(list(overrides) + list(extra)))
     for ec in configs.values():
+        if sc.shed:
+            require_shedding(ec, "server.shed")
         cache = ec.cache
         if len(configs) > 1 and getattr(cache, "memory_utilization", 0) is None and cache.memory_gb is None:
             default = 0.9 if resolve_device(ec.model.device).type == "cuda" else 0.2

@@ -24,6 +24,9 @@ class ServerConfig:
     models: dict = field(default_factory=dict)
     # X-Servelab-Pool header -> a priority (an int, within the requested model) or a served model (a name)
     pools: dict = field(default_factory=lambda: {"chat": 0, "agent": 1})
+    # per pool, the default targets of its requests: {chat: {ttft_s: 2.0, tpot_s: 0.15}}
+    pool_slo: dict = field(default_factory=dict)
+    shed: bool = False  # refuse (429) a request the scheduler predicts will miss its TTFT target
     fallback: str | None = None  # a `models` entry that takes the main model's new requests while degraded
     degrade_enabled: bool = True
     degrade_waiting_high: int = 64  # switch on at this many waiting, or at this KV usage
@@ -55,6 +58,13 @@ def validate(cfg: ServerConfig, main_name: str) -> None:
     for name, overrides in cfg.models.items():
         if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
             raise ConfigError(f"server.models.{name} must be a list of overrides, e.g. [quant=int8], got {overrides!r}")
+    for pool, slo in cfg.pool_slo.items():
+        if pool not in cfg.pools:
+            raise ConfigError(f"server.pool_slo.{pool} names no pool; pools: {', '.join(cfg.pools)}")
+        bad = set(slo) - {"ttft_s", "tpot_s"} if isinstance(slo, dict) else {"?"}
+        if bad or not all(isinstance(v, (int, float)) and v > 0 for v in slo.values()):
+            raise ConfigError(f"server.pool_slo.{pool} must map ttft_s and/or tpot_s to positive seconds, "
+                              f"got {slo!r}")
     served = {main_name, *cfg.models}
     for pool, target in cfg.pools.items():
         if not isinstance(target, int) and target not in served:

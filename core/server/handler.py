@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from core.engine.async_engine import AsyncEngine
 from core.engine.engine import Engine
 from core.engine.types import RequestOutput, SamplingParams
-from core.errors import RequestError
+from core.errors import DeadlineError, RequestError
 from core.server import protocol
 from core.server.config import ServerConfig
 from core.server.guards import Guards, OpenAIError
@@ -112,6 +112,9 @@ class Server:
             params = req.params()
         except RequestError as e:
             raise OpenAIError(400, str(e)) from None
+        pool_slo = self.cfg.pool_slo.get(headers.get("x-servelab-pool"), {})
+        params.slo_ttft_s = params.slo_ttft_s or pool_slo.get("ttft_s")
+        params.slo_tpot_s = params.slo_tpot_s or pool_slo.get("tpot_s")
         prompts = self._prompts(req, target.engine.tokenizer)
         self.guards.admit(prompts, target.num_waiting, self.max_input(name), name)
         priority = pool if isinstance(pool, int) else int(req.priority or 0)
@@ -119,7 +122,13 @@ class Server:
         rids = []
         for i, ids in enumerate(prompts):
             try:
-                rid, _ = await target.add(sink=queue, tag=i, prompt_token_ids=ids, params=params, priority=priority)
+                rid, _ = await target.add(sink=queue, tag=i, prompt_token_ids=ids, params=params, priority=priority,
+                                          shed=self.cfg.shed)
+            except DeadlineError as e:  # shed: it would be served late, so it is refused now
+                for r in rids:
+                    target.abort(r)
+                self.metrics.reject(name, "deadline")
+                raise OpenAIError(429, str(e), "rate_limit_error", headers={"Retry-After": str(e.retry_after_s)}) from None
             except RequestError as e:
                 for r in rids:
                     target.abort(r)

@@ -36,6 +36,9 @@ class GenerationRequest(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     priority: int | None = None
+    # servelab's extra fields: this request's service-level targets (None: its pool's, else the scheduler's)
+    slo_ttft_s: float | None = Field(None, gt=0)
+    slo_tpot_s: float | None = Field(None, gt=0)
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises RequestError on a value the engine refuses."""
@@ -45,6 +48,7 @@ class GenerationRequest(BaseModel):
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=max(self.top_k or 0, 0), seed=self.seed,
             n=1 if self.n is None else self.n, stop=stop, ignore_eos=self.ignore_eos, logprobs=logprobs,
+            slo_ttft_s=self.slo_ttft_s, slo_tpot_s=self.slo_tpot_s,
         )
 
     @property

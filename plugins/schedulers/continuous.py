@@ -46,10 +46,10 @@ class ContinuousSchedulerConfig(SchedulerConfig):
 class ContinuousScheduler(QueueScheduler):
     config_class = ContinuousSchedulerConfig
 
-    def __init__(self, config: ContinuousSchedulerConfig, allocator) -> None:
+    def __init__(self, config: ContinuousSchedulerConfig, allocator, context=None) -> None:
         if config.policy not in POLICIES:
             raise ConfigError(f"scheduler.policy must be one of {', '.join(POLICIES)}, got '{config.policy}'")
-        super().__init__(config, allocator)
+        super().__init__(config, allocator, context)
         self.step = 0
         self._enqueued_at: dict[int, int] = {}  # seq id -> step it (re)joined the queue
 
@@ -130,6 +130,8 @@ class ContinuousScheduler(QueueScheduler):
                 break
             if prefill and self._is_long(seq) and num_long >= self.config.max_long_partial_prefills:
                 continue  # a long prompt waits for the long slot; shorter ones go ahead
+            if not self._can_admit(seq):
+                break
             num_new = self.allocate_fresh(seq, self._chunk(seq, seq.num_tokens - cached, budget), cached)
             if num_new == 0:
                 break
@@ -142,6 +144,11 @@ class ContinuousScheduler(QueueScheduler):
                 num_long += self._is_long(seq)
         if admitted:
             self.waiting = [s for s in self.waiting if s.seq_id not in admitted]
+
+    def _can_admit(self, seq: Sequence) -> bool:
+        """Whether a waiting sequence may start now (beyond the budget and the seat limit): a hook
+        for schedulers that control admission (`slo`: the decode step it adds must fit the target)."""
+        return True
 
     def finish(self, seq: Sequence, status: SequenceStatus, stop_reason=None, now=None, drop_tokens: int = 0) -> None:
         super().finish(seq, status, stop_reason, now, drop_tokens)

@@ -1,0 +1,60 @@
+"""SLO capacity from a rate sweep: the definition on constructed points, and `run -m` end to end."""
+
+import json
+
+import pytest
+
+from core.bench.capacity import groups, slo_capacity
+from core.bench.run import compare
+from tests.test_bench import BASE
+
+
+def test_capacity_is_the_highest_rate_before_the_first_miss():
+    c = slo_capacity([(0.5, 1.0), (1.0, 0.95), (2.0, 0.7), (1.5, 0.91), (3.0, 0.95)])
+    assert c["capacity_req_s"] == 1.5 and c["first_miss_req_s"] == 2.0  # 3.0 met again: noise past the knee
+    assert c["interpolated_req_s"] == pytest.approx(1.5 + 0.5 * (0.91 - 0.9) / (0.91 - 0.7))
+    assert slo_capacity([(1.0, 0.5), (2.0, 0.2)])["capacity_req_s"] is None
+    never = slo_capacity([(1.0, 1.0), (2.0, 0.99)])
+    assert never["capacity_req_s"] == 2.0 and not never["bounded"]
+
+
+def test_results_group_by_configuration_without_the_rate():
+    def result(label, rate):
+        return {"label": label, "config": {"workload": {"arrival": "poisson", "rate": rate}}}
+
+    rs = [result("scheduler=slo workload.rate=2", 2), result("scheduler=slo workload.rate=1", 1),
+          result("scheduler=continuous workload.rate=1", 1)]
+    g = groups(rs)
+    assert list(g) == ["scheduler=slo", "scheduler=continuous"]
+    assert [r["config"]["workload"]["rate"] for r in g["scheduler=slo"]] == [1, 2]
+    assert groups([result("a", 1), result("b", 1)]) == {}  # one rate each: no curve to draw
+
+
+def test_a_rate_sweep_reports_each_configurations_capacity(tiny_llama, tmp_path):
+    base = BASE + [f"model.path={tiny_llama}", f"run.report_dir={tmp_path}", "workload.arrival=poisson",
+                   "workload.slo_ttft_s=30", "workload.slo_tpot_s=30"]
+    variants = [[f"scheduler={s}", f"workload.rate={r}"] for s in ("continuous", "slo") for r in (20, 40)]
+    compare(base, variants, None, "sweep")
+    report = json.loads((tmp_path / "sweep" / "report.json").read_text())
+    caps = report["slo_capacity"]
+    assert set(caps) == {"scheduler=continuous", "scheduler=slo"}
+    for run in report["runs"]:  # targets this loose are met by every request of the tiny model
+        assert run["summary"]["slo"] == {"ttft_s": 30.0, "tpot_s": 30.0, "attained": 1.0}
+    assert all(c["capacity_req_s"] == 40.0 and not c["bounded"] for c in caps.values())
+    md = (tmp_path / "sweep" / "report.md").read_text()
+    assert "## SLO capacity" in md and "| scheduler=slo | 40.0 |" in md
+    assert (tmp_path / "sweep" / "slo_capacity.png").read_bytes()[:4] == b"\x89PNG"
+    assert "## Step-cost model" not in md  # a run's own report has it; the comparison shows the curves
+
+
+def test_a_bench_rate_sweep_groups_its_stages_by_offered_rate():
+    from core.bench.capacity import capacities
+
+    def stage(rate, attained):
+        return {"label": f"chat_longtail users=2 rate={rate:g}", "offered_rate": 2 * rate,
+                "summary": {"slo": {"attained": attained}, "output_tok_s": 10.0 * rate, "goodput_req_s": rate}}
+
+    caps = capacities([stage(0.25, 1.0), stage(0.5, 0.92), stage(1.0, 0.6)])
+    assert list(caps) == ["chat_longtail users=2"]
+    assert caps["chat_longtail users=2"]["capacity_req_s"] == 1.0  # 2 users x 0.5 req/s each
+    assert caps["chat_longtail users=2"]["output_tok_s_at_capacity"] == 5.0
