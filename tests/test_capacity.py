@@ -44,6 +44,12 @@ def test_a_rate_sweep_reports_each_configurations_capacity(tiny_llama, tmp_path)
     md = (tmp_path / "sweep" / "report.md").read_text()
     assert "## SLO capacity" in md and "| scheduler=slo | 40.0 |" in md
     assert (tmp_path / "sweep" / "slo_capacity.png").read_bytes()[:4] == b"\x89PNG"
+    # the per-step records of the four runs live beside report.json, compressed, in run order
+    import gzip
+
+    steps = json.loads(gzip.open(tmp_path / "sweep" / report["steps_file"], "rt").read())
+    assert len(steps) == 4 and all(s and "predicted_s" in s[-1] for s in steps)
+    assert all("steps" not in run for run in report["runs"])
     assert "## Step-cost model" not in md  # a run's own report has it; the comparison shows the curves
 
 

@@ -9,13 +9,11 @@ the tested rate and a linear interpolation up to the first rate that missed.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 ATTAINMENT = 0.9
 RATE_KEY = "workload.rate="
 
 
-def _rate(result: dict) -> float | None:
+def offered_rate(result: dict) -> float | None:
     if "offered_rate" in result:  # a bench stage: users x rate per user
         return result["offered_rate"]
     w = result.get("config", {}).get("workload", {})
@@ -32,11 +30,11 @@ def groups(results: list[dict]) -> dict[str, list[dict]]:
     or more rates."""
     out: dict[str, list[dict]] = {}
     for r in results:
-        if _rate(r) is not None:
+        if offered_rate(r) is not None:
             out.setdefault(_system(r["label"]), []).append(r)
     for rs in out.values():
-        rs.sort(key=_rate)
-    return out if any(len({_rate(r) for r in rs}) > 1 for rs in out.values()) else {}
+        rs.sort(key=offered_rate)
+    return out if any(len({offered_rate(r) for r in rs}) > 1 for rs in out.values()) else {}
 
 
 def slo_capacity(points: list[tuple[float, float]], attainment: float = ATTAINMENT) -> dict:
@@ -63,8 +61,8 @@ def capacities(results: list[dict]) -> dict[str, dict]:
     """Per configuration: its capacity and the throughput it achieved at that rate."""
     out = {}
     for system, rs in groups(results).items():
-        cap = slo_capacity([(_rate(r), r["summary"]["slo"]["attained"]) for r in rs])
-        at = next((r for r in rs if _rate(r) == cap["capacity_req_s"]), None)
+        cap = slo_capacity([(offered_rate(r), r["summary"]["slo"]["attained"]) for r in rs])
+        at = next((r for r in rs if offered_rate(r) == cap["capacity_req_s"]), None)
         cap["output_tok_s_at_capacity"] = at["summary"]["output_tok_s"] if at else None
         cap["goodput_req_s_at_capacity"] = at["summary"]["goodput_req_s"] if at else None
         out[system] = cap
@@ -91,7 +89,7 @@ def capacity_markdown(results: list[dict]) -> list[str]:
              f"capacity | capacity vs `{base_name or '-'}` |", "|---|---|---|---|---|---|"]
     for system, c in caps.items():
         ratio = f"{c['capacity_req_s'] / base['capacity_req_s']:.2f}x" if c["capacity_req_s"] and base else "-"
-        lowest = min(_rate(r) for r in by_system[system])
+        lowest = min(offered_rate(r) for r in by_system[system])
         cap = c["capacity_req_s"] if c["capacity_req_s"] is not None else f"below {lowest:g} (the lowest tested)"
         interp = "-" if c["interpolated_req_s"] is None else f"{c['interpolated_req_s']:.3g}"
         tok = "-" if c["output_tok_s_at_capacity"] is None else f"{c['output_tok_s_at_capacity']:.1f}"
@@ -103,41 +101,11 @@ def capacity_markdown(results: list[dict]) -> list[str]:
     for system, rs in by_system.items():
         for r in rs:
             s = r["summary"]
-            lines.append(f"| {system} | {_rate(r):g} | {s['req_s']:.3f} | {s.get('rejected', 0)} | "
+            lines.append(f"| {system} | {offered_rate(r):g} | {s['req_s']:.3f} | {s.get('rejected', 0)} | "
                          f"{s['slo']['attained'] * 100:.0f} % | {s['goodput_req_s']:.3f} | {s['output_tok_s']:.1f} | "
                          f"{_ms(s['ttft_s'].get('p50'))} / {_ms(s['ttft_s'].get('p99'))} | "
                          f"{_ms(s['tpot_s'].get('p50'))} / {_ms(s['tpot_s'].get('p99'))} |")
     return lines + [""]
-
-
-def capacity_plot(results: list[dict], path: Path) -> str | None:
-    """Attainment, goodput and TPOT p99 against offered rate, one line per configuration."""
-    by_system = groups(results)
-    if not by_system:
-        return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    slo = results[0]["summary"]["slo"]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for system, rs in by_system.items():
-        x = [_rate(r) for r in rs]
-        axes[0].plot(x, [r["summary"]["slo"]["attained"] * 100 for r in rs], "o-", label=system)
-        axes[1].plot(x, [r["summary"]["goodput_req_s"] for r in rs], "o-", label=system)
-        axes[2].plot(x, [(r["summary"]["tpot_s"].get("p99") or 0) * 1000 for r in rs], "o-", label=system)
-    axes[0].axhline(ATTAINMENT * 100, color="grey", ls="--", lw=1)
-    axes[2].axhline(slo["tpot_s"] * 1000, color="grey", ls="--", lw=1)
-    for ax, title in zip(axes, ("requests meeting both targets (%)", "goodput (req/s)", "TPOT p99 (ms)")):
-        ax.set_xlabel("offered rate (req/s)")
-        ax.set_title(title)
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path.name
 
 
 def step_cost_markdown(summary: dict) -> list[str]:

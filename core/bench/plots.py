@@ -1,10 +1,13 @@
-"""PNG plots of one run or several overlaid: latency CDFs, percentiles, and timelines."""
+"""PNG plots of one run or several overlaid: latency CDFs, percentiles, timelines, and a rate sweep's SLO-capacity curves."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import numpy as np
+
+from core.bench import capacity
+from core.bench.capacity import offered_rate
 
 
 def _plt():
@@ -105,10 +108,12 @@ def timeline(results: list[dict], path: Path) -> None:
 
 
 def run_plots(results: list[dict], out: Path) -> list[str]:
+    """The plots of any report; a sweep over the arrival rate adds its SLO-capacity curves."""
     files = {"latency_cdf.png": latency_cdfs, "latency_percentiles.png": latency_percentiles, "timeline.png": timeline}
     for name, fn in files.items():
         fn(results, out / name)
-    return list(files)
+    curve = capacity_plot(results, out / "slo_capacity.png")
+    return list(files) + ([curve] if curve else [])
 
 
 def load_curve(results: list[dict], path: Path) -> str:
@@ -131,5 +136,31 @@ def load_curve(results: list[dict], path: Path) -> str:
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path.name
+
+
+def capacity_plot(results: list[dict], path: Path) -> str | None:
+    """Attainment, goodput and TPOT p99 against offered rate, one line per configuration."""
+    by_system = capacity.groups(results)
+    if not by_system:
+        return None
+    plt = _plt()
+    slo = results[0]["summary"]["slo"]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for system, rs in by_system.items():
+        x = [offered_rate(r) for r in rs]
+        axes[0].plot(x, [r["summary"]["slo"]["attained"] * 100 for r in rs], "o-", label=system)
+        axes[1].plot(x, [r["summary"]["goodput_req_s"] for r in rs], "o-", label=system)
+        axes[2].plot(x, [(r["summary"]["tpot_s"].get("p99") or 0) * 1000 for r in rs], "o-", label=system)
+    axes[0].axhline(capacity.ATTAINMENT * 100, color="grey", ls="--", lw=1)
+    axes[2].axhline(slo["tpot_s"] * 1000, color="grey", ls="--", lw=1)
+    for ax, title in zip(axes, ("requests meeting both targets (%)", "goodput (req/s)", "TPOT p99 (ms)")):
+        ax.set_xlabel("offered rate (req/s)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
     plt.close(fig)
     return path.name

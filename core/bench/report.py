@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import time
 from pathlib import Path
 
 from core.bench import plots as plotting
-from core.bench.capacity import capacities, capacity_markdown, capacity_plot, step_cost_markdown
+from core.bench.capacity import capacities, capacity_markdown, step_cost_markdown
 from core.config.schema import RunConfig
 
 VERSION = 1
+STEPS_FILE = "steps.json.gz"  # a report of several runs keeps their per-step records here, by run
 LAT_ROWS = (("TTFT", "ttft_s"), ("TPOT", "tpot_s"), ("ITL", "itl_s"), ("E2E", "e2e_s"), ("queue", "queue_s"),
             ("prefill", "prefill_s"))
 
@@ -210,6 +212,15 @@ def _write_json(path: Path, obj) -> None:
     path.write_text(json.dumps(_compact(obj), default=str) + "\n")
 
 
+def write_runs_json(out: Path, head: dict, key: str, results: list[dict]) -> None:
+    """report.json of several runs (under `key`), their per-step records (most of the bytes: a rate
+    sweep has thousands of steps per run) in STEPS_FILE, a list by run, gzip-compressed."""
+    with gzip.open(out / STEPS_FILE, "wt") as f:
+        f.write(json.dumps(_compact([r.get("steps", []) for r in results])) + "\n")
+    runs = [{k: v for k, v in r.items() if k != "steps"} for r in results]
+    _write_json(out / "report.json", {**head, "steps_file": STEPS_FILE, key: runs})
+
+
 def write_run(result: dict, name: str, rc: RunConfig) -> Path:
     out = Path(rc.report_dir) / name
     out.mkdir(parents=True, exist_ok=True)
@@ -224,10 +235,8 @@ def write_comparison(results: list[dict], name: str, rc: RunConfig) -> Path:
     out = Path(rc.report_dir) / name
     out.mkdir(parents=True, exist_ok=True)
     images = plotting.run_plots(results, out) if rc.plots else []
-    curve = capacity_plot(results, out / "slo_capacity.png") if rc.plots else None
-    images += [curve] if curve else []
-    _write_json(out / "report.json", {"name": name, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                                      "report_version": VERSION, "slo_capacity": capacities(results), "runs": results})
+    write_runs_json(out, {"name": name, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "report_version": VERSION,
+                          "slo_capacity": capacities(results)}, "runs", results)
     (out / "report.md").write_text(comparison_markdown(results, images))
     return out
 
@@ -268,10 +277,7 @@ def write_curve(results: list[dict], name: str, rc: RunConfig) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     knee = find_knee(results)
     images = (plotting.run_plots(results, out) + [plotting.load_curve(results, out / "load_curve.png")]) if rc.plots else []
-    curve = capacity_plot(results, out / "slo_capacity.png") if rc.plots else None
-    images += [curve] if curve else []
-    _write_json(out / "report.json", {"name": name, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                                      "report_version": VERSION, "knee": knee, "slo_capacity": capacities(results),
-                                      "stages": results})
+    write_runs_json(out, {"name": name, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "report_version": VERSION,
+                          "knee": knee, "slo_capacity": capacities(results)}, "stages", results)
     (out / "report.md").write_text(curve_markdown(results, images, knee))
     return out

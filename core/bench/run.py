@@ -114,7 +114,7 @@ def check(cfg: DictConfig) -> tuple:
     """Every section of a run's config, checked before any model loads."""
     ec, rc, wc, pc = engine_config(cfg), run_config(cfg), workload_config(cfg), peer_config(cfg)
     if rc.shed and not pc:
-        require_shedding(ec, "run.shed")
+        require_shedding(ec, "run.shed=true")
     return ec, rc, wc, pc
 
 

@@ -66,11 +66,11 @@ def validate(ec: EngineConfig) -> None:
         raise ConfigError(f"model.load_format must be auto or dummy, got '{ec.model.load_format}'")
 
 
-def require_shedding(ec: EngineConfig, where: str, registry: Registry | None = None) -> None:
-    """Load shedding needs a scheduler that predicts TTFT: say so before any model loads."""
+def require_shedding(ec: EngineConfig, what: str, registry: Registry | None = None) -> None:
+    """Load shedding (`what` asks for it) needs a scheduler that predicts TTFT: say so before any model loads."""
     factory = (registry or get_registry()).get("scheduler", ec.scheduler.name).factory
     if "deadlines" not in getattr(factory, "capabilities", ()):
-        raise ConfigError(f"{where}=true needs a scheduler that predicts TTFT (scheduler=slo); "
+        raise ConfigError(f"{what} needs a scheduler that predicts TTFT (scheduler=slo); "
                           f"'{ec.scheduler.name}' does not")
 
 

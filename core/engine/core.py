@@ -77,8 +77,7 @@ class EngineCore:
         if self.copy_on_write:
             self.backend.copy_blocks(self.allocator.take_block_copies())
         logits = self.backend.execute(batch)
-        stats = self._stats(out, batch)
-        shape = StepShape.of_stats(stats)
+        stats, shape = self._stats(out, batch)
         stats.predicted_s = self.context.cost_model.predict(shape) if self.context.cost_model.ready else None
         sampling = [out.scheduled[i] for i in batch.sample_rows]
         logits, sampling = self._fork(out, logits, sampling)
@@ -124,16 +123,19 @@ class EngineCore:
         out.scheduled.extend(children)
         return torch.cat([logits, logits[rows]]), sampling + children
 
-    def _stats(self, out: SchedulerOutput, batch) -> StepStats:
+    def _stats(self, out: SchedulerOutput, batch) -> tuple[StepStats, StepShape]:
+        """The step's stats and its cost-relevant shape (the features the step-cost model learns from)."""
         prefill = sum(s.num_new_tokens for s in out.scheduled if s.seq.in_prefill)
         meta = batch.attn
-        qlens, ctxs = meta.query_lens_cpu, meta.context_lens_cpu
+        shape = StepShape(sampled=len(batch.sample_rows))
+        for q, c in zip(meta.query_lens_cpu, meta.context_lens_cpu):
+            shape.add(q, c, sampled=False)
         return StepStats(
             step=0, time=0.0, duration_s=0.0, num_running=0, num_waiting=0, num_preempted=len(out.preempted),
             num_prefill_tokens=prefill, num_decode_tokens=out.num_batched_tokens - prefill, kv_usage=0.0,
-            prefix_queries=0, prefix_hits=0, num_seqs=len(out.scheduled), num_sampled=len(batch.sample_rows),
-            kv_tokens_read=sum(ctxs), attn_pairs=sum(q * (c - (q - 1) / 2) for q, c in zip(qlens, ctxs)),
-        )
+            prefix_queries=0, prefix_hits=0, num_seqs=len(out.scheduled), num_sampled=shape.sampled,
+            kv_tokens_read=shape.kv_read, attn_pairs=shape.attn_pairs,
+        ), shape
 
     def _cache_stats(self, stats: StepStats) -> None:
         cache = self.allocator.stats()

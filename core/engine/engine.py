@@ -11,14 +11,13 @@ import uuid
 from collections.abc import Iterable
 
 from core.config.schema import EngineConfig
-from core.engine.components import build_parts
+from core.engine.components import build_parts, require_shedding
 from core.engine.core import EngineCore
-from core.engine.interfaces import has_capability
 from core.engine.output import OutputProcessor, RequestState
 from core.engine.records import sequence_record
 from core.engine.registry import get_registry
 from core.engine.types import RequestOutput, SamplingParams, Sequence, SequenceStatus, StepStats
-from core.errors import ConfigError, DeadlineError, RequestError
+from core.errors import DeadlineError, RequestError
 
 
 class Engine:
@@ -100,9 +99,7 @@ class Engine:
         return request_id
 
     def _shed(self, seq: Sequence) -> None:
-        if not has_capability(self.scheduler, "deadlines"):
-            raise ConfigError(f"load shedding needs a scheduler that predicts TTFT (scheduler=slo); "
-                              f"'{self.config.scheduler.name}' does not")
+        require_shedding(self.config, "load shedding", self.registry)
         predicted, target = self.scheduler.predict_ttft(seq), self.scheduler.ttft_target(seq)
         if predicted > target:
             raise DeadlineError(f"the request would get its first token in about {predicted:.1f} s, past its "

@@ -52,13 +52,6 @@ class StepShape:
     def vector(self) -> np.ndarray:
         return np.array([1.0, self.tokens, self.sampled, self.kv_read, self.attn_pairs]) / SCALE
 
-    @classmethod
-    def of_stats(cls, stats) -> StepShape:
-        """The shape of a finished step, from its StepStats (or their dict)."""
-        get = stats.get if isinstance(stats, dict) else lambda k, d=0: getattr(stats, k, d)
-        return cls(get("num_prefill_tokens", 0) + get("num_decode_tokens", 0), get("num_sampled", 0),
-                   get("kv_tokens_read", 0), get("attn_pairs", 0.0))
-
 
 @dataclass
 class StepCostModel:

@@ -154,7 +154,7 @@ def engine_configs(cfg, overrides: list[str], sc: ServerConfig) -> dict:
         configs[name] = engine_config(compose(list(overrides) + list(extra)))
     for ec in configs.values():
         if sc.shed:
-            require_shedding(ec, "server.shed")
+            require_shedding(ec, "server.shed=true")
         cache = ec.cache
         if len(configs) > 1 and getattr(cache, "memory_utilization", 0) is None and cache.memory_gb is None:
             default = 0.9 if resolve_device(ec.model.device).type == "cuda" else 0.2

@@ -86,12 +86,16 @@ class ContinuousScheduler(QueueScheduler):
     def schedule(self) -> SchedulerOutput:
         self.step += 1
         out = SchedulerOutput()
-        if self.config.policy == "priority":
-            self.running.sort(key=self._order_key)
+        self._order_running()
         budget = self._schedule_running(out, self.config.max_num_batched_tokens)
         if not out.preempted:  # a step that had to preempt admits nothing: the pool is full
             self._schedule_waiting(out, budget)
         return out
+
+    def _order_running(self) -> None:
+        """The order running sequences get their tokens in (the budget may run out on the last)."""
+        if self.config.policy == "priority":
+            self.running.sort(key=self._order_key)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         """Decodes and continuing prefill chunks; preempts when the pool is full. Returns the budget left."""

@@ -147,20 +147,16 @@ class SloScheduler(ContinuousScheduler):
     # ---- the step -------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
-        self.step += 1
         self._now = self.context.clock()
         self._planned, self._prefill_tokens = StepShape(), 0
         self._future = StepShape()
         for s in self.running:
             self._future.add(1, s.num_tokens + 1)
         self._limit = self._step_limit()
-        # decodes first, then the prefills in deadline order
-        self.running.sort(key=lambda s: (s.in_prefill, self.deadline(s), s.seq_id))
-        out = SchedulerOutput()
-        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
-        if not out.preempted:
-            self._schedule_waiting(out, budget)
-        return out
+        return super().schedule()
+
+    def _order_running(self) -> None:
+        self.running.sort(key=lambda s: (s.in_prefill, self.deadline(s), s.seq_id))  # decodes, then by deadline
 
     def _chunk(self, seq: Sequence, remaining: int, budget: int) -> int:
         n = super()._chunk(seq, remaining, budget)
