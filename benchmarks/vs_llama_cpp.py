@@ -4,7 +4,8 @@ Build llama.cpp first (`bash benchmarks/llama_cpp_build.sh`, its binaries are fo
 or given with --bin). Two measurements, each run side by side in this one process's lifetime:
 
 - batch-1 decode: `llama-bench -p 0 -n 128` (tg128, 2 threads) against servelab generating 128
-  tokens for one request (tokens after the first over their time), `quant=gguf` and bf16;
+  tokens for one request (tokens after the first over their time), `quant=gguf` (eager and with
+  `backend.compile=true`, its compile paid in the warm-up) and bf16;
 - load: N streams back to back (GuideLLM's constant concurrency), fixed prompt/output lengths,
   the same locust bench (`python -m core bench`) against `llama-server -np N` and against
   servelab's own server: TTFT, inter-token latency and output throughput.
@@ -111,14 +112,16 @@ def main(argv=None) -> int:
         return 2
     gguf = default_model_path()
     args.out.mkdir(parents=True, exist_ok=True)
-    variants = {"servelab quant=gguf": ["quant=gguf"], "servelab bf16": ["model.dtype=bf16"]}
+    variants = {"servelab quant=gguf": ["quant=gguf"],
+                "servelab quant=gguf backend.compile=true": ["quant=gguf", "backend.compile=true"],
+                "servelab bf16": ["model.dtype=bf16"]}
     result = {"machine": machine_info(), "gguf": str(gguf), "args": {k: str(v) for k, v in vars(args).items()},
               "batch1": {"llama.cpp (llama-bench tg128)": llama_bench(args.bin, gguf, args.threads, args.reps)}}
     for name, ov in variants.items():
         result["batch1"][name] = servelab_batch1(ov + [f"backend.num_threads={args.threads}"], args.reps)
     result["load"] = {f"llama-server -np {args.streams}": llama_server_load(args.bin, gguf, args.out, args)}
     for name, ov in variants.items():
-        tag = name.split()[1].replace("=", "-")
+        tag = "-".join(o.split("=")[1] for o in ov).replace("true", "compiled")
         result["load"][name] = bench(f"servelab-{tag}", args.out, args, ov)
     (args.out / "report.json").write_text(json.dumps(result, indent=2))
     m = result["machine"]

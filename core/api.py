@@ -17,6 +17,7 @@ from core.config.schema import (
     SchedulerConfig,
 )
 from core.engine.components import load_weights
+from core.engine.hardware import HardwareProfile, StepTime, StepTimeModel, weight_bytes_per_param
 from core.engine.interfaces import (
     AttentionBackend,
     Backend,
@@ -76,6 +77,8 @@ __all__ = [
     "PERMUTED_ARCHS", "gguf_to_hf_name", "unpermute_qk",
     # a second model beside the engine's (speculative drafts): its forward, inputs and weights
     "ForwardContext", "ModelRunner", "load_model", "load_weights",
+    # the simulator's hardware profiles and step-time roofline
+    "HardwareProfile", "StepTime", "StepTimeModel", "weight_bytes_per_param",
     # errors
     "ConfigError", "ModelNotFoundError", "RequestError", "ServelabError",
 ]

@@ -145,7 +145,19 @@ def cmd_eval(args, cfg: DictConfig) -> int:
     return run_eval(cfg, [o for o in args.overrides if not o.startswith("eval.")])
 
 
-COMMANDS = {"run": cmd_run, "compare": cmd_compare, "plugins": cmd_plugins, "generate": cmd_generate,
+def cmd_calibrate(args, cfg: DictConfig) -> int:
+    from core.bench.calibrate import calibrate
+
+    return calibrate(cfg, args.overrides)
+
+
+def cmd_plan(args, cfg: DictConfig) -> int:
+    from core.bench.plan import run_plan
+
+    return run_plan(cfg)
+
+
+COMMANDS = {"calibrate": cmd_calibrate, "plan": cmd_plan, "run": cmd_run, "compare": cmd_compare, "plugins": cmd_plugins, "generate": cmd_generate,
             "eval": cmd_eval, "serve": cmd_serve, "bench": cmd_bench}
 
 
@@ -164,6 +176,10 @@ def build_parser() -> argparse.ArgumentParser:
     c = add("compare", "run several configurations on the same workload; one comparison report")
     c.add_argument("-v", "--variant", action="append", help='one configuration, e.g. -v "scheduler=static"')
     c.add_argument("--label", action="append", help="a name for each variant, in order")
+    add("plan", "KV memory, concurrency and max_model_len for a model on hardware=NAME; with plan.slo=true "
+        "the replicas for a request rate at the SLO targets (simulated)")
+    add("calibrate", "fit this CPU's hardware profile (hardware=cpu) from measured steps, then check the simulator "
+        "against real runs of calibrate.validate")
     add("plugins", "list every component by kind, name and the package it came from")
     add("eval", "quality, size and speed of quantization variants against the unquantized baseline")
     add("serve", "an OpenAI-compatible HTTP server with Prometheus metrics and guard rails")
@@ -199,11 +215,13 @@ def parse_args(argv: list[str] | None):
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # run and compare report their set-up (KV-cache arithmetic); generate keeps stderr for errors
-    level = logging.INFO if args.command in ("run", "compare", "eval", "serve", "bench") else logging.WARNING
+    level = logging.INFO if args.command in ("run", "compare", "eval", "serve", "bench", "calibrate") else logging.WARNING
     logging.basicConfig(level=level, format="servelab: %(message)s", stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per poll is noise
     try:
         overrides = expand_sweeps(args.overrides)[0] if getattr(args, "multirun", False) else args.overrides
+        if args.command == "plan" and not any(o.startswith("backend=") for o in overrides):
+            overrides = ["backend=simulator"] + overrides  # plan's hardware is simulated hardware
         cfg = compose(overrides)
         check_before_loading(args.command, cfg)
         return COMMANDS[args.command](args, cfg)

@@ -22,7 +22,7 @@ from scenarios.traces import read_trace
 
 DATA = Path(__file__).parent / "data"
 KINDS = ("fixed", "uniform", "quantiles", "shared_prefix", "trace", "edit")
-ARRIVALS = ("all_at_once", "poisson", "gamma", "trace")
+ARRIVALS = ("all_at_once", "poisson", "gamma", "trace", "concurrent")
 
 
 @dataclass
@@ -55,8 +55,9 @@ class WorkloadConfig:
     time_scale: float = 1.0  # > 1 slows the trace down, < 1 speeds it up
     block_tokens: int = 512  # Mooncake hash-id block size before rescaling
     # arrivals
-    arrival: str = "all_at_once"  # all_at_once | poisson | gamma | trace
+    arrival: str = "all_at_once"  # all_at_once | poisson | gamma | trace | concurrent
     rate: float = 4.0  # requests per second (poisson, gamma)
+    concurrency: int = 8  # concurrent: a closed loop of this many users (GuideLLM's constant concurrency)
     burstiness: float = 1.0  # gamma: coefficient of variation of the gaps (1 = Poisson)
     # the targets every request carries (SamplingParams.slo_*) and goodput counts; None: run.slo_*
     slo_ttft_s: float | None = None
@@ -91,7 +92,9 @@ class Workload:
         return {
             "name": self.config.name, "kind": self.config.kind, "num_requests": len(self.requests),
             "arrival": self.config.arrival + (f" at {self.config.rate:g} req/s" if self.config.arrival in
-                                              ("poisson", "gamma") else ""), "length_scale": round(self.scale, 4), "num_capped": self.num_capped,
+                                              ("poisson", "gamma") else "") + (
+                f" ({self.config.concurrency} users, each sending its next request when the last ends)"
+                if self.config.arrival == "concurrent" else ""), "length_scale": round(self.scale, 4), "num_capped": self.num_capped,
             "prompt_tokens": _stats(p), "output_tokens": _stats(o), "notes": self.notes,
         }
 
@@ -142,6 +145,12 @@ def ks_distance(table: dict, samples: np.ndarray) -> float:
 
 
 def arrival_times(cfg: WorkloadConfig, n: int, rng: np.random.Generator) -> np.ndarray:
+    """Seconds from the start; a closed loop (`concurrent`) has none in advance: the driver sends
+    each request when a user's previous one ends."""
+    if cfg.arrival == "concurrent":
+        if cfg.concurrency < 1:
+            raise ConfigError(f"workload.concurrency must be at least 1, got {cfg.concurrency}")
+        return np.zeros(n)
     if cfg.arrival == "all_at_once":
         return np.zeros(n)
     if cfg.rate <= 0:

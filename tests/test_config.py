@@ -53,7 +53,7 @@ def test_bad_values_are_config_errors():
 
 
 def test_unknown_group_value_names_the_choices():
-    with pytest.raises(ConfigError, match="unknown backend 'jax'; available: torch"):
+    with pytest.raises(ConfigError, match="unknown backend 'jax'; available: simulator, torch"):
         engine_config(compose(["backend=jax"]))
     with pytest.raises(ConfigError, match="'hf' is a benchmark peer, not a backend: use peer=hf"):
         engine_config(compose(["backend=hf"]))

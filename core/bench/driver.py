@@ -3,7 +3,6 @@ and step through the observer hooks (the same door any exporter plugin uses)."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 from core.config.schema import section
@@ -61,32 +60,36 @@ def drive_engine(engine: Engine, workload: Workload, progress: bool = True, slo:
     (and refused at arrival when `shed` and it cannot make them); returns (records, steps,
     duration_s, rejected)."""
     pending = sorted(workload.requests, key=lambda r: r.arrival_s)
-    start = time.perf_counter()
+    clock, sleep = engine.core.context.clock, engine.core.context.sleep  # virtual under backend=simulator
+    start = clock()
     recorder = Recorder(start)
     pm = engine.registry.pm
     pm.register(recorder)
     bar = progress_bar(len(pending), workload.config.name, progress)
+    users = workload.config.concurrency if workload.config.arrival == "concurrent" else None  # a closed loop
     i = 0
     rejected: list[dict] = []
     try:
         while i < len(pending) or engine.has_unfinished():
-            now = time.perf_counter() - start
-            while i < len(pending) and pending[i].arrival_s <= now:
+            now = clock() - start
+            while i < len(pending) and pending[i].arrival_s <= now and (
+                    users is None or i - len(recorder.records) - len(rejected) < users):
                 r = pending[i]
                 i += 1
                 try:
                     engine.add_request(prompt_token_ids=r.prompt_token_ids, params=forced_length(r.output_len, slo),
-                                       request_id=f"{r.index}", arrival_time=start + r.arrival_s, shed=shed)
+                                       request_id=f"{r.index}", shed=shed,
+                                       arrival_time=start + r.arrival_s if users is None else clock())
                 except RequestError as e:  # e.g. larger than the whole KV pool, or shed: counted, not fatal
                     rejected.append({"request_id": str(r.index), "reason": str(e),
                                      "kind": "deadline" if isinstance(e, DeadlineError) else "invalid"})
                     bar.update(1)
             if engine.has_unfinished():
                 done_before = len(recorder.records)
-                engine.step()
+                engine.step(outputs=False)
                 bar.update(len(recorder.records) - done_before)
             elif i < len(pending):
-                time.sleep(max(0.0, min(pending[i].arrival_s - now, 0.05)))
+                sleep(max(0.0, min(pending[i].arrival_s - now, 0.05)))
     finally:
         pm.unregister(recorder)
         bar.close()
@@ -98,4 +101,7 @@ def warm_up(engine: Engine, n: int) -> None:
     """Run a few small requests first so one-time costs (allocations, kernels) are not measured."""
     if n > 0:  # short enough for any max_model_len
         length = max(1, min(16, engine.max_model_len // 2))
-        engine.generate([[engine.tokenizer.eos_token_id or 0] * length] * n, SamplingParams(max_tokens=4, ignore_eos=True))
+        prompt = [engine.tokenizer.eos_token_id or 0] * length
+        engine.generate([prompt] * n, SamplingParams(max_tokens=4, ignore_eos=True))
+        # and a lone request: a batch-1 decode step has its own compiled graph (backend.compile)
+        engine.generate([prompt], SamplingParams(max_tokens=2, ignore_eos=True))

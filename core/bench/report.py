@@ -97,8 +97,16 @@ def _header(result: dict) -> str:
             f"max_model_len {c['model']['max_model_len']})\n- components: {comp}; max_num_seqs "
             f"{c['scheduler']['max_num_seqs']}, max_num_batched_tokens {c['scheduler']['max_num_batched_tokens']}\n"
             f"- KV cache: {result['kv_cache']}\n"
-            f"- machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['torch_threads']} threads)"
-            + (f"; device: {m['device']}" if m.get("device_type") == "cuda" else ""))
+            + (simulated_md(result["summary"]["simulated"]) if result["summary"].get("simulated") else
+               f"- machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['torch_threads']} threads)"
+               + (f"; device: {m['device']}" if m.get("device_type") == "cuda" else "")))
+
+
+def simulated_md(sim: dict) -> str:
+    share = ", ".join(f"{k} {v * 100:.0f} %" for k, v in sim["share_by_part"].items() if v >= 0.005)
+    hw = sim["hardware"]
+    return (f"- **simulated** (backend=simulator): no model ran; every step's time is the roofline model's on "
+            f"{sim['describe']} ({hw['source'] or 'profile'}); simulated time by part: {share}")
 
 
 def run_markdown(result: dict, plots: list[str]) -> str:
@@ -179,7 +187,9 @@ def comparison_markdown(results: list[dict], plots: list[str]) -> str:
                        _ratio(s["tpot_s"].get("p50"), b["tpot_s"].get("p50")), _ratio(s["e2e_s"].get("p99"), b["e2e_s"].get("p99"))])
     lines = [
         f"# servelab comparison: {' vs '.join(r['label'] for r in results)}", "",
-        "All runs in one invocation, on the same machine, the same workload and the same model file.", "",
+        "All runs in one invocation, on the same machine, the same workload and the same model file"
+        + ("; rows run on backend=simulator are simulated (see each run's section)." if any(
+            r["summary"].get("simulated") for r in results) else "."), "",
         _header(base), "", "## Workload", "", _workload_md(base["workload"]), "", "## Results", "", _md_table(head, rows), "",
         f"## Ratios against `{base['label']}`", "",
         _md_table(["run", "output tok/s", "total tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "E2E p99"], ratios), "",
@@ -191,7 +201,8 @@ def comparison_markdown(results: list[dict], plots: list[str]) -> str:
         lines += ["## Speculative decoding", "",
                   _md_table(["run", "acceptance rate", "mean accepted length", "draft tokens"], spec), ""]
     for r in results:
-        lines += [f"### `{r['label']}`", "", _latency_table(r["summary"]), "", _roofline_md(r["roofline"], r["summary"], r["machine"].get("device")), ""]
+        sim = r["summary"].get("simulated")
+        lines += [f"### `{r['label']}`", ""] + ([simulated_md(sim), ""] if sim else []) + [_latency_table(r["summary"]), "", _roofline_md(r["roofline"], r["summary"], r["machine"].get("device")), ""]
     if plots:
         lines += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
     return "\n".join(lines)

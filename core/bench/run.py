@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import time
 from dataclasses import dataclass, field
@@ -46,6 +47,7 @@ class Measured:
     rejected: list[dict] = field(default_factory=list)
     is_peer: bool = False
     step_cost: dict | None = None  # the engine's online step-cost model at the end of the run
+    simulated: dict | None = None  # backend=simulator: the hardware and the simulated time by part
 
 
 def peer_config(cfg: DictConfig) -> PeerConfig | None:
@@ -71,9 +73,29 @@ def measure_engine(ec: EngineConfig, wc: WorkloadConfig, rc: RunConfig) -> Measu
         s["prefix_queries"] -= base.prefix_queries
         s["prefix_hits"] -= base.prefix_hits
     kv = engine.allocator.describe() if has_capability(engine.allocator, "describe") else ""
-    return Measured(records, steps, duration, engine.loaded.args, weight_bytes(engine.model),
+    simulated = simulation_summary(engine.backend) if engine.model is None else None
+    return Measured(records, steps, duration, engine.loaded.args,
+                    engine.backend.weight_bytes if simulated else weight_bytes(engine.model),
                     engine.kv_spec.bytes_per_token, kv, workload, rejected,
-                    step_cost=engine.core.context.cost_model.to_dict())
+                    step_cost=engine.core.context.cost_model.to_dict(), simulated=simulated)
+
+
+def simulation_summary(backend) -> dict:
+    spent = dataclasses.asdict(backend.spent)
+    total = sum(spent.values()) or 1.0
+    return {"hardware": dataclasses.asdict(backend.hardware), "describe": backend.describe(),
+            "tensor_parallel_size": backend.config.tensor_parallel_size, "compute": backend.config.compute,
+            "time_by_part_s": spent, "share_by_part": {k: v / total for k, v in spent.items()}}
+
+
+def simulated_rates(ec: EngineConfig) -> dict:
+    """The roofline section's rates for a simulated run: the profile's, over all its ranks."""
+    hw, tp = ec.hardware, ec.backend.tensor_parallel_size
+    peak = hw.peak_flops(ec.backend.compute) / 1e9 * tp
+    return {"cpu": f"{hw.name} x {tp} (simulated)", "cores": None, "torch_threads": None, "torch": torch.__version__,
+            "platform": "simulated", "measured_at": None, "device": f"{hw.name} x {tp} (simulated)",
+            "device_type": "simulated", "cuda": None, "matmul_gflops": {"bf16": peak, "fp32": peak},
+            "mem_bandwidth_gbs": hw.memory_bandwidth_gbs * tp}
 
 
 def measure_peer(ec: EngineConfig, wc: WorkloadConfig, pc: PeerConfig, warmup: int, progress: bool) -> Measured:
@@ -121,7 +143,8 @@ def check(cfg: DictConfig) -> tuple:
 def run_one(cfg: DictConfig, label: str | None = None) -> dict:
     """Build, warm up, run one configuration on its workload; returns the report dict."""
     ec, rc, wc, pc = check(cfg)
-    rates = machine_rates(rc.remeasure_machine, resolve_device(ec.model.device))
+    rates = simulated_rates(ec) if ec.hardware is not None and not pc else \
+        machine_rates(rc.remeasure_machine, resolve_device(ec.model.device))
     m = measure_peer(ec, wc, pc, rc.warmup_requests, rc.progress) if pc else \
         measure_engine(ec, wc, rc)
     gc.collect()
@@ -130,6 +153,8 @@ def run_one(cfg: DictConfig, label: str | None = None) -> dict:
     summary = summarize(m.records, m.duration_s, m.steps, *slo_targets(wc, rc), num_rejected=len(m.rejected))
     if m.step_cost:
         summary["step_cost"] = m.step_cost
+    if m.simulated:
+        summary["simulated"] = m.simulated
     args = m.args
     return {
         "label": label or default_run_name(ec, wc, pc),

@@ -93,6 +93,7 @@ class EngineConfig:
     backend: BackendConfig = field(default_factory=BackendConfig)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     seed: int = 0
+    hardware: Any = None  # a core.engine.hardware.HardwareProfile: what backend=simulator simulates
 
 
 @dataclass

@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from core.config.schema import DTYPE_NAMES, ENGINE_KINDS, EngineConfig, ModelConfig, section
+from core.config.schema import DTYPE_NAMES, ENGINE_KINDS, EngineConfig, ModelConfig, section, to_dict
+from core.engine.hardware import load_hardware
 from core.engine.interfaces import has_capability
 from core.engine.registry import Registry, get_registry
 from core.engine.step_cost import SchedulerContext
@@ -29,10 +30,22 @@ log = logging.getLogger("servelab")
 def engine_config(cfg: Any, registry: Registry | None = None) -> EngineConfig:
     """The engine's part of a composed config, every component section as its plugin's dataclass."""
     registry = registry or get_registry()
+    hardware = cfg.get("hardware")
     ec = EngineConfig(model=section(ModelConfig, cfg.get("model"), "model"), seed=int(cfg.get("seed", 0) or 0),
+                      hardware=load_hardware(to_dict(hardware) if hardware is not None else None),
                       **{kind: component_config(registry, kind, cfg.get(kind)) for kind in ENGINE_KINDS})
     validate(ec)
+    is_simulated(ec, registry)
     return ec
+
+
+def is_simulated(ec: EngineConfig, registry: Registry) -> bool:
+    """Whether the backend runs without weights (a simulator); a hardware profile needs one."""
+    simulated = not getattr(registry.get("backend", ec.backend.name).factory, "needs_weights", True)
+    if ec.hardware is not None and not simulated:
+        raise ConfigError(f"hardware={ec.hardware.name} is what backend=simulator simulates; backend="
+                          f"{ec.backend.name} runs on this machine (drop hardware= or add backend=simulator)")
+    return simulated
 
 
 def component_config(registry: Registry, kind: str, node: Any):
@@ -146,26 +159,39 @@ def build_parts(config: EngineConfig, registry: Registry, loaded: LoadedModel | 
     mc = config.model
     device = resolve_device(mc.device)
     torch.manual_seed(config.seed)
-    if loaded is None:
-        loaded = load_weights(config, device)
+    simulated = is_simulated(config, registry)
+    if loaded is None:  # a simulator needs the model's shape and tokenizer only
+        loaded = LoadedModel(None, model_tokenizer(config), model_args(config), resolve_model_path(config)) \
+            if simulated else load_weights(config, device)
     quantizer = registry.create("quant", config.quant, tokenizer=loaded.tokenizer, source=loaded.source)
-    model = quantizer.quantize(loaded.model)
+    model = None if simulated else quantizer.quantize(loaded.model)
     args = loaded.args
     kv_dtype = torch.int8 if config.cache.dtype == "int8" else DTYPES[mc.dtype]
     kv_spec = KVCacheSpec(args.num_layers, args.num_kv_heads, args.head_dim, kv_dtype, mc.max_model_len)
     sc = config.scheduler
-    allocator = registry.create("cache", config.cache, spec=kv_spec, max_num_seqs=sc.max_num_seqs, device=device,
-                                reserved_bytes=activation_reserve(args, sc.max_num_batched_tokens, sc.max_num_seqs))
-    if has_capability(allocator, "describe"):
-        log.info(allocator.describe())
+    reserve = activation_reserve(args, sc.max_num_batched_tokens, sc.max_num_seqs)
     attention = registry.create("attention", config.attention, device=device)
     backend = registry.create("backend", config.backend, model=model, spec=kv_spec, attention=attention, device=device,
-                              max_num_seqs=config.scheduler.max_num_seqs)
+                              max_num_seqs=sc.max_num_seqs, model_args=args, engine_config=config)
+    if simulated and config.cache.memory_gb is None:  # the pool of the simulated devices, not of this machine
+        utilization = getattr(config.cache, "memory_utilization", None) or config.hardware.default_memory_utilization
+        budget = backend.kv_budget_bytes(config, args, backend.weight_bytes, reserve, utilization)
+        if budget <= 0:
+            raise ConfigError(f"{args.num_layers}-layer model: {backend.weight_bytes / 1e9:.1f} GB of weights leave "
+                              f"no KV memory on {config.hardware.name} at utilization {utilization} (quantize, or "
+                              f"raise backend.tensor_parallel_size)")
+        config = dataclasses.replace(config, cache=dataclasses.replace(config.cache, memory_gb=budget / 1e9))
+    allocator = registry.create("cache", config.cache, spec=kv_spec, max_num_seqs=sc.max_num_seqs, device=device,
+                                reserved_bytes=reserve)
+    if has_capability(allocator, "describe"):
+        log.info(allocator.describe())
     backend.init_kv_cache(allocator.num_blocks, allocator.block_size)
-    context = SchedulerContext()
+    clock = getattr(backend, "clock", None)  # a simulator's virtual clock drives the whole engine
+    context = SchedulerContext(clock=clock, sleep=clock.sleep) if clock is not None else SchedulerContext()
     scheduler = registry.create("scheduler", config.scheduler, allocator=allocator, context=context)
     # a speculative decoder drafts with the target itself (`self`), a second model or the text
     decoder = registry.create("decoder", config.decoder, vocab_size=args.vocab_size, seed=config.seed, model=model,
                               model_args=args, engine_config=config, registry=registry, device=device)
+    runner = getattr(backend, "runner", None) or ModelRunner(device, attention)  # a simulator builds no tensors
     return EngineParts(config, loaded, model, device, kv_spec, quantizer, allocator, attention, backend, scheduler,
-                       decoder, ModelRunner(device, attention), context)
+                       decoder, runner, context)

@@ -7,7 +7,6 @@ Text is the output processor's business; this loop deals in token ids only.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -65,7 +64,7 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     def step(self) -> StepResult:
-        started = time.perf_counter()
+        started = self.context.clock()
         out = self.scheduler.schedule()
         out.started = started
         if not out.scheduled:
@@ -82,7 +81,7 @@ class EngineCore:
         sampling = [out.scheduled[i] for i in batch.sample_rows]
         logits, sampling = self._fork(out, logits, sampling)
         decoded = self.decoder.accept(logits, sampling, None)
-        now = time.perf_counter()
+        now = self.context.clock()
         before = [s.seq.num_output_tokens for s in sampling]
         finished = self.scheduler.update_from_output(out, decoded, now)
         new_tokens = [(s.seq, s.seq.output_token_ids[n:]) for s, n in zip(sampling, before)

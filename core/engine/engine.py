@@ -6,7 +6,6 @@ add_request -> [EngineCore.step -> OutputProcessor.process]* -> request_finished
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Iterable
 
@@ -33,7 +32,7 @@ class Engine:
         self.hooks = self.registry.pm.hook
         self.core = EngineCore(parts.scheduler, parts.allocator, parts.backend, parts.decoder, parts.runner,
                                self.hooks, parts.context)
-        self.output = OutputProcessor(self.tokenizer)
+        self.output = OutputProcessor(self.tokenizer, detokenize=self.model is not None)
         self.name = config.model.name
 
     @property
@@ -69,7 +68,7 @@ class Engine:
         if len(prompt_token_ids) >= self.max_model_len:
             raise RequestError(f"prompt has {len(prompt_token_ids)} tokens; max_model_len is {self.max_model_len} "
                                f"(prompt plus at least one output token)")
-        vocab = self.loaded.args.vocab_size
+        vocab = self.loaded.args.vocab_size if self.model is not None else float("inf")  # simulated: any id
         bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary (size {vocab})")
@@ -85,7 +84,7 @@ class Engine:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise RequestError(f"request id '{request_id}' is already in use")
-        now = time.perf_counter() if arrival_time is None else arrival_time
+        now = self.core.context.clock() if arrival_time is None else arrival_time
         eos = tuple(self.tokenizer.eos_token_ids)
         seqs = [Sequence(request_id, ids, params, index=i, priority=priority, arrival_time=now, eos_token_ids=eos)
                 for i in range(params.n)]
@@ -119,13 +118,14 @@ class Engine:
 
     # ---- the loop --------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """One scheduling step and one forward pass; returns the requests that changed."""
+    def step(self, outputs: bool = True) -> list[RequestOutput]:
+        """One scheduling step and one forward pass; returns the requests that changed (none with
+        `outputs=False`: a driver that reads the records only skips building them)."""
         result = self.core.step()
         touched, stops = self.output.process(result.new_tokens)
         for seq, stop, extra in stops:
             self.core.finish(seq, SequenceStatus.FINISHED_STOPPED, stop, drop_tokens=extra)
-        outputs = [self.output.output(state) for state in touched]
+        outputs = [self.output.output(state) for state in touched] if outputs else []
         for state in touched:
             if state.finished:
                 self._retire(state)

@@ -150,7 +150,13 @@ class AttentionBackend(Protocol):
 
 class Backend(Protocol):
     """Runs the model over one step's inputs (the model and the attention backend come from the
-    factory; the engine keeps its own reference to the model)."""
+    factory; the engine keeps its own reference to the model).
+
+    A simulator says so with the class attribute `needs_weights = False`: the engine then loads
+    only the model's shape and tokenizer, and the backend provides `weight_bytes`,
+    `kv_budget_bytes(...)` (the KV pool of the simulated devices), a `clock` (callable, with
+    `sleep`) that every timestamp of the engine reads, and a `runner` that builds no tensors
+    (see plugins/backends/simulator.py)."""
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None: ...
 

@@ -50,8 +50,9 @@ class RequestState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, detokenize: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.detokenize = detokenize  # False: token ids only (a simulator's synthetic tokens have no text)
         self.requests: dict[str, RequestState] = {}
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], seqs: list[Sequence]) -> None:
@@ -71,6 +72,10 @@ class OutputProcessor:
             if state is None:
                 continue
             touched[state.request_id] = state
+            if not self.detokenize:
+                prev_text, prev_ids = state.deltas.get(seq.index, ("", []))
+                state.deltas[seq.index] = (prev_text, prev_ids + list(tokens))
+                continue
             if len(tokens) == 1 or not seq.params.stop:
                 hit = self._append_text(state, seq, tokens, seq.token_ids, seq.is_finished)
                 if hit is not None:

@@ -10,7 +10,7 @@ TPOT = (e2e - TTFT) / (output tokens - 1); undefined (None) with a single output
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 
 LATENCY_KEYS = ("ttft_s", "tpot_s", "itl_s", "e2e_s", "queue_s", "prefill_s")
 
@@ -39,7 +39,8 @@ class RequestRecord:
     num_accepted_tokens: int = 0  # of which kept
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        # asdict's deep copy walks every float of the token lists: a shallow copy of them serves
+        return {f.name: list(v) if isinstance(v := getattr(self, f.name), list) else v for f in fields(self)}
 
 
 def make_record(

@@ -37,6 +37,7 @@ BUILTIN_PLUGINS = (
     "plugins.decoders.sampling",
     "plugins.decoders.speculative",
     "plugins.backends.torch_backend",
+    "plugins.backends.simulator",
     "plugins.attention.torch_ref",
     "plugins.attention.triton_attn",
     "plugins.attention.cpu_attn",

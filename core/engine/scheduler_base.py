@@ -8,8 +8,6 @@ goes through `finish`.
 
 from __future__ import annotations
 
-import time
-
 from core.config.schema import SchedulerConfig
 from core.engine.interfaces import CacheAllocator, has_capability
 from core.engine.step_cost import SchedulerContext
@@ -159,7 +157,7 @@ class QueueScheduler:
             self.waiting.remove(seq)
         self.allocator.free(seq)
         if not seq.is_finished:
-            seq.timings.finished = time.perf_counter() if now is None else now
+            seq.timings.finished = self.context.clock() if now is None else now
         seq.status, seq.stop_reason = status, stop_reason
 
     def schedule(self) -> SchedulerOutput:

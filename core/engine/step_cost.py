@@ -131,7 +131,9 @@ class StepCostModel:
 @dataclass
 class SchedulerContext:
     """What a scheduler plugin may know about its engine beyond the allocator: the engine's own
-    step-cost model (updated after every step by the engine core) and its clock."""
+    step-cost model (updated after every step by the engine core) and its clock, the one every
+    timestamp of the engine comes from (virtual time under backend=simulator)."""
 
     cost_model: StepCostModel = field(default_factory=StepCostModel)
     clock: Callable[[], float] = time.perf_counter
+    sleep: Callable[[float], None] = time.sleep  # waits on that clock (a simulator's only moves it)

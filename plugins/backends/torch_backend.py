@@ -3,6 +3,8 @@
 On CUDA, decode-only steps replay CUDA graphs captured at start-up, one per batch-size bucket
 (`backend.cuda_graphs`, on by default there; it needs an attention backend with the
 `cuda_graphs` capability, such as `triton`). Steps with a prefill chunk run eagerly.
+With `backend.compile=true` the forward of every other step runs through torch.compile (see
+plugins/backends/compiled.py): off by default, as the first steps pay its compile time.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from torch import nn
 
 from core.api import AttentionBackend, BackendConfig, ConfigError, KVCacheSpec, ModelInput, has_capability, hookimpl
+from plugins.backends.compiled import CompiledForward
 from plugins.backends.cuda_graphs import DecodeGraphs
 
 log = logging.getLogger("servelab")
@@ -23,6 +26,7 @@ log = logging.getLogger("servelab")
 @dataclass
 class TorchBackendConfig(BackendConfig):
     cuda_graphs: bool | None = None  # None: on for CUDA devices with a capable attention backend
+    compile: bool = False  # torch.compile (inductor) of the forward, attention opaque; steps the graphs skip
 
 
 class TorchBackend:
@@ -41,6 +45,7 @@ class TorchBackend:
                               "cuda_graphs capability (attention=triton)")
         self.use_graphs = capable and device.type == "cuda" if config.cuda_graphs is None else config.cuda_graphs
         self.graphs: DecodeGraphs | None = None
+        self.forward = CompiledForward(model) if config.compile else model
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self.kv_caches = self.attention.allocate_kv_cache(num_blocks, block_size, self.spec, self.device)
@@ -63,7 +68,7 @@ class TorchBackend:
     def execute(self, batch: ModelInput) -> torch.Tensor:
         if self.graphs is not None and self.graphs.fits(batch):
             return self.graphs.run(batch)
-        hidden = self.model(batch.input_ids, batch.positions, batch.attn, self.kv_caches, self.attention)
+        hidden = self.forward(batch.input_ids, batch.positions, batch.attn, self.kv_caches, self.attention)
         return self.model.compute_logits(hidden[batch.logits_indices])
 
 

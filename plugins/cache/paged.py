@@ -167,10 +167,9 @@ class PagedAllocator:
         if not self.enable_prefix_caching:
             return
         table, hashes = self.tables[seq.seq_id], self._hashes.setdefault(seq.seq_id, [])
-        ids = seq.token_ids
-        while len(hashes) < upto_tokens // self.block_size:
+        while len(hashes) < upto_tokens // self.block_size:  # (most steps fill no block: nothing to slice)
             i = len(hashes)
-            toks = tuple(ids[i * self.block_size : (i + 1) * self.block_size])
+            toks = tuple(seq.token_slice(i * self.block_size, (i + 1) * self.block_size))
             h = chain_hash(hashes[-1] if hashes else None, toks)
             hashes.append(h)
             blk = self.blocks[table[i]]
