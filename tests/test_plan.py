@@ -57,3 +57,18 @@ def test_a_model_too_large_for_the_device_says_so(capsys, tmp_path):
     assert main(["plan", "model=llama-3-70b", "hardware=l4", f"plan.report_dir={tmp_path}"]) == 0
     p = json.loads(next(tmp_path.glob("*/report.json")).read_text())
     assert p["kv_budget_bytes"] < 0 and p["max_concurrency"] == 0 and p["planned_concurrency"] == 0
+
+
+def test_plan_slo_finds_the_fewest_replicas_by_simulation(tmp_path):
+    """Replicas are added until at least 90 % of requests meet both targets at rate / replicas:
+    the last try meets it, every earlier one does not."""
+    rc = main(["plan", "model=llama-2-7b", "hardware=a100-80gb", "plan.slo=true", "plan.rate=40",
+               "plan.num_requests=60", "workload=chat_longtail", "workload.slo_ttft_s=0.5", "workload.slo_tpot_s=0.05",
+               f"plan.report_dir={tmp_path}", "plan.name=p"])
+    assert rc == 0
+    s = json.loads((tmp_path / "p" / "report.json").read_text())["slo"]
+    tried = s["tried"]
+    assert s["replicas"] == tried[-1]["replicas"] == len(tried) >= 2
+    assert tried[-1]["attained"] >= 0.9 and all(t["attained"] < 0.9 for t in tried[:-1])
+    assert [t["rate_per_replica"] for t in tried] == pytest.approx([40 / k for k in range(1, len(tried) + 1)])
+    assert "replicas" in (tmp_path / "p" / "report.md").read_text()

@@ -31,7 +31,7 @@ from core.model.loader import DTYPES
 class CalibrateConfig:
     decode_batches: list[int] = field(default_factory=lambda: [1, 4, 16, 64])
     contexts: list[int] = field(default_factory=lambda: [128, 1024])
-    prefill_tokens: list[int] = field(default_factory=lambda: [32, 128, 512, 1536])
+    prefill_tokens: list[int] = field(default_factory=lambda: [32, 128, 512, 1024])  # within the step budget
     reps: int = 5  # steps kept per grid point (after one unkept)
     validate: list[str] = field(default_factory=lambda: ["chat_longtail", "decode_heavy", "shared_prefix"])
     validate_overrides: list[str] = field(default_factory=list)  # e.g. [workload.num_requests=40]
@@ -68,14 +68,16 @@ def measure_grid(engine, cc: CalibrateConfig, progress: bool = True) -> list[dic
             for rep in range(cc.reps + 1):
                 engine.add_request(prompt(length), SamplingParams(max_tokens=1, ignore_eos=True))
                 engine.step()
-                if rep:
-                    _keep(engine, samples, f"prefill {length}")
+                if rep:  # the first chunk (a longer prompt than the step budget is chunked)
+                    _keep(engine, samples, f"prefill {engine.last_step.num_prefill_tokens}")
                 while engine.has_unfinished():
                     engine.step()
             continue
-        ids = [engine.add_request(prompt(length), SamplingParams(max_tokens=cc.reps + 3, ignore_eos=True))
-               for _ in range(batch)]
-        while engine.last_step is None or engine.last_step.num_prefill_tokens or engine.last_step.num_seqs < batch:
+        # long enough that none ends while the others prefill; aborted once measured
+        params = SamplingParams(max_tokens=engine.max_model_len - length - 1, ignore_eos=True)
+        ids = [engine.add_request(prompt(length), params) for _ in range(batch)]
+        engine.step()
+        while engine.last_step.num_prefill_tokens or engine.last_step.num_seqs < batch:
             engine.step()
         engine.step()  # unkept: the first decode-only step
         for _ in range(cc.reps):

@@ -136,7 +136,8 @@ def plan_markdown(p: dict) -> str:
                   "| replicas | rate per replica | SLO attained | TTFT p99 (s) | TPOT p99 (ms) |", "|---|---|---|---|---|"]
         lines += [f"| {t['replicas']} | {t['rate_per_replica']:.3g} | {t['attained'] * 100:.1f} % | "
                   f"{t['ttft_p99_s']:.2f} | {t['tpot_p99_s'] * 1e3:.0f} |" for t in s["tried"]]
-        lines += ["", f"**{s['replicas']} replicas**" if s["replicas"] else
+        n = s["replicas"]
+        lines += ["", f"**{n} replica{'s' * (n > 1)}** serve it" if n else
                   f"**not met with {s['tried'][-1]['replicas']} replicas** (raise plan.max_replicas)"]
     return "\n".join(lines) + "\n"
 

@@ -41,8 +41,10 @@ def error(e: OpenAIError) -> JSONResponse:
 
 
 async def warm_up(e: AsyncEngine) -> None:
-    """The seed's cold-start lesson: a real request runs before /ready says yes."""
-    rid, q = await e.add(prompt_token_ids=e.engine.tokenizer.encode("Hello"),
+    """The seed's cold-start lesson: a real request runs before /ready says yes. Its prompt has
+    several tokens and it decodes one: backend.compile's two graphs (n tokens, 1 token) both
+    compile here, not under the first users."""
+    rid, q = await e.add(prompt_token_ids=e.engine.tokenizer.encode("Hello, how are you today?"),
                          params=SamplingParams(max_tokens=2, ignore_eos=True))
     while True:
         _, out = await q.get()
