@@ -91,17 +91,15 @@ def measure_grid(engine, cc: CalibrateConfig, progress: bool = True) -> list[dic
 def fit_profile(samples: list[dict], base: HardwareProfile, model: StepTimeModel) -> tuple[HardwareProfile, dict]:
     """Efficiencies by grid search, overheads by weighted least squares (relative error)."""
     x = {k: np.array([s[k] for s in samples], dtype=float) for k in FIELDS}
-    bpp, peak, bw = model.bytes_per_param, base.peak_flops("bf16"), base.memory_bandwidth_gbs * 1e9
-    lin_f, lin_b = 2 * model.linear_params * x["tokens"], model.linear_params * bpp * (x["tokens"] > 0)
-    head_f, head_b = 2 * model.head_params * x["sampled"], model.head_params * bpp * (x["sampled"] > 0)
-    att_f = model.attn_flops_per_pair * x["pairs"]
-    att_b = model.kv_bytes_per_token * (x["kv_read"] + x["tokens"])
     y, w = x["duration_s"], 1 / x["duration_s"]
     mm = np.linspace(0.1, 1.0, 19)[:, None, None, None]
     eb = np.linspace(0.05, 1.0, 20)[None, :, None, None]
     ea = np.geomspace(0.02, 1.0, 15)[None, None, :, None]
-    parts = (np.maximum(lin_f / (peak * mm), lin_b / (bw * eb)) + np.maximum(head_f / (peak * mm), head_b / (bw * eb))
-             + np.maximum(att_f / (peak * ea), att_b / (bw * eb)))  # [mm, eb, ea, samples]
+    # the simulator's own step time, every sample on every candidate profile at once, overheads apart
+    grid = model.on(dataclasses.replace(base, matmul_efficiency=mm, bandwidth_efficiency=eb, attention_efficiency=ea,
+                                        step_overhead_s=0.0, sequence_overhead_s=0.0))
+    t = grid.step(x["tokens"], x["sampled"], x["kv_read"], x["pairs"], x["seqs"])
+    parts = t.linear + t.lm_head + t.attention  # [mm, eb, ea, samples]
     resid = y - parts
     a = np.stack([np.ones_like(y), x["seqs"]], axis=1) * w[:, None]  # overhead + per-sequence, weighted
     coef, *_ = np.linalg.lstsq(a, (resid * w).reshape(-1, y.size).T, rcond=None)

@@ -67,8 +67,7 @@ def covering_length(lengths: list[int], percentile: float) -> tuple[int, int]:
 def model_memory(ec: EngineConfig, args) -> dict:
     """Weights and KV per token as the engine would hold them (quantization and KV dtype included)."""
     bytes_per_param = weight_bytes_per_param(ec.quant.name, DTYPES[ec.model.dtype].itemsize)
-    counts = StepTimeModel.param_counts(args)
-    params = counts["linear"] + counts["lm_head"] * (1 if args.tie_word_embeddings else 2)
+    params = StepTimeModel.param_counts(args)["total"]
     kv_dtype = DTYPES["int8"] if ec.cache.dtype == "int8" else DTYPES[ec.model.dtype]
     spec = KVCacheSpec(args.num_layers, args.num_kv_heads, args.head_dim, kv_dtype, ec.model.max_model_len)
     return {"parameters": params, "bytes_per_param": bytes_per_param, "weight_bytes": params * bytes_per_param,

@@ -16,17 +16,9 @@ from pathlib import Path
 
 import torch
 
+from core.engine.hardware import cpu_model
+
 CACHE_DIR = Path(os.environ.get("SERVELAB_CACHE", Path.home() / ".cache" / "servelab"))
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def machine_info() -> dict:

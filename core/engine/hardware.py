@@ -23,6 +23,8 @@ import platform
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from core.errors import ConfigError
 
 # bytes a weight takes in memory, by quantization (scales included: int4 and Q4_1 carry one scale
@@ -101,50 +103,65 @@ class StepTimeModel:
 
     def __init__(self, args, hw: HardwareProfile, weight_bytes_per_param: float, kv_bytes_per_token: int,
                  tensor_parallel_size: int = 1, compute: str = "bf16") -> None:
-        self.args, self.hw, self.tp = args, hw, tensor_parallel_size
+        self.args, self.hw, self.tp, self.compute = args, hw, tensor_parallel_size, compute
         counts = self.param_counts(args)
         self.linear_params, self.head_params = counts["linear"], counts["lm_head"]
-        d = args.head_dim
+        self.weight_params = counts["total"]
         self.bytes_per_param = weight_bytes_per_param
-        self.attn_flops_per_pair = 4 * args.num_layers * args.num_heads * d
+        self.attn_flops_per_pair = 4 * args.num_layers * args.num_heads * args.head_dim
+        self.kv_bytes_per_token_all_ranks = kv_bytes_per_token
         # KV heads are split across ranks, or replicated when there are fewer than ranks
         self.kv_bytes_per_token = kv_bytes_per_token / min(tensor_parallel_size, args.num_kv_heads)
         self.peak = hw.peak_flops(compute)
         self.bandwidth = hw.memory_bandwidth_gbs * 1e9 * hw.bandwidth_efficiency
 
+    def on(self, hw: HardwareProfile) -> StepTimeModel:
+        """The same model and arithmetic on other hardware (the calibration's candidate profiles)."""
+        return StepTimeModel(self.args, hw, self.bytes_per_param, self.kv_bytes_per_token_all_ranks, self.tp,
+                             self.compute)
+
     @staticmethod
     def param_counts(args) -> dict[str, int]:
-        """Parameters of the decoder layers' linear layers and of the LM head (the embedding is
-        as large; norms are negligible)."""
+        """Parameters of the decoder layers' linear layers, of the LM head (the embedding is as
+        large; norms are negligible), and in all (the embedding once more unless tied)."""
         h, d = args.hidden_size, args.head_dim
         per_layer = h * (args.num_heads + 2 * args.num_kv_heads) * d + args.num_heads * d * h
         per_layer += 3 * h * args.intermediate_size
-        return {"linear": args.num_layers * per_layer, "lm_head": args.vocab_size * h}
+        linear, head = args.num_layers * per_layer, args.vocab_size * h
+        return {"linear": linear, "lm_head": head, "total": linear + head * (1 if args.tie_word_embeddings else 2)}
 
-    def _roofline(self, flops: float, num_bytes: float, efficiency: float) -> float:
-        return max(flops / (self.peak * efficiency), num_bytes / self.bandwidth)
+    def _roofline(self, flops, num_bytes, efficiency):
+        return np.maximum(flops / (self.peak * efficiency), num_bytes / self.bandwidth)
 
-    def step(self, num_tokens: int, num_sampled: int, kv_tokens_read: int, attn_pairs: float, num_seqs: int
-             ) -> StepTime:
+    def step(self, num_tokens, num_sampled, kv_tokens_read, attn_pairs, num_seqs) -> StepTime:
         """A step of `num_tokens` new tokens over `num_seqs` sequences; `kv_tokens_read`: cached
-        tokens its attention reads; `attn_pairs`: (query, key) pairs it scores."""
+        tokens its attention reads; `attn_pairs`: (query, key) pairs it scores. Numbers, or numpy
+        arrays of many steps (and a profile whose efficiencies are arrays: the calibration's grid)."""
         hw, tp = self.hw, self.tp
         t = StepTime(overhead=hw.step_overhead_s + hw.sequence_overhead_s * num_seqs)
-        if num_tokens == 0:
-            return t
+        runs = np.asarray(num_tokens) > 0  # an empty step reads no weights
         t.linear = self._roofline(2 * self.linear_params * num_tokens / tp,
-                                  self.linear_params * self.bytes_per_param / tp, hw.matmul_efficiency)
-        if num_sampled:
-            t.lm_head = self._roofline(2 * self.head_params * num_sampled / tp,
-                                       self.head_params * self.bytes_per_param / tp, hw.matmul_efficiency)
+                                  self.linear_params * self.bytes_per_param / tp * runs, hw.matmul_efficiency)
+        t.lm_head = self._roofline(2 * self.head_params * num_sampled / tp,
+                                   self.head_params * self.bytes_per_param / tp * (np.asarray(num_sampled) > 0),
+                                   hw.matmul_efficiency)
         t.attention = self._roofline(self.attn_flops_per_pair * attn_pairs / tp,
-                                     self.kv_bytes_per_token * (kv_tokens_read + num_tokens),
-                                     hw.attention_efficiency)
+                                     self.kv_bytes_per_token * (kv_tokens_read + num_tokens), hw.attention_efficiency)
         if tp > 1:  # after attention and after the MLP, a ring all-reduce of the hidden states
             message = num_tokens * self.args.hidden_size * 2
             per_allreduce = hw.allreduce_latency_s + 2 * (tp - 1) / tp * message / (hw.interconnect_gbs * 1e9)
-            t.allreduce = 2 * self.args.num_layers * per_allreduce
+            t.allreduce = 2 * self.args.num_layers * per_allreduce * runs
         return t
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def calibrated_profile_path() -> Path:
@@ -152,12 +169,7 @@ def calibrated_profile_path() -> Path:
     core count and torch version: a fit from another machine kind must not serve)."""
     import torch
 
-    cpu = platform.processor()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    key = hashlib.sha1(json.dumps([cpu, os.cpu_count(), torch.__version__]).encode()).hexdigest()[:12]
+    key = hashlib.sha1(json.dumps([cpu_model(), os.cpu_count(), torch.__version__]).encode()).hexdigest()[:12]
     cache = Path(os.environ.get("SERVELAB_CACHE", Path.home() / ".cache" / "servelab"))
     return cache / f"hardware-cpu-{key}.json"
 

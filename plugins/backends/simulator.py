@@ -87,9 +87,7 @@ class SimulatorBackend:
         self.bytes_per_param = weight_bytes_per_param(quant, DTYPES[engine_config.model.dtype].itemsize)
         self.time_model = StepTimeModel(model_args, hw, self.bytes_per_param, spec.bytes_per_token,
                                         config.tensor_parallel_size, config.compute)
-        tied = model_args.tie_word_embeddings
-        params = self.time_model.linear_params + self.time_model.head_params * (1 if tied else 2)
-        self.weight_bytes = int(params * self.bytes_per_param)  # all ranks together
+        self.weight_bytes = int(self.time_model.weight_params * self.bytes_per_param)  # all ranks together
         self.clock = VirtualClock()
         self.runner = SimulatedRunner()
         self.spent = StepTime()  # the run's simulated time, by part
@@ -116,8 +114,8 @@ class SimulatorBackend:
             shape.add(q, c, sampled=False)
         t = self.time_model.step(shape.tokens, shape.sampled, shape.kv_read, shape.attn_pairs, meta.num_seqs)
         for part in ("linear", "lm_head", "attention", "allreduce", "overhead"):
-            setattr(self.spent, part, getattr(self.spent, part) + getattr(t, part))
-        self.clock.sleep(t.total)
+            setattr(self.spent, part, getattr(self.spent, part) + float(getattr(t, part)))
+        self.clock.sleep(float(t.total))  # plain floats on the clock: numpy scalars would reach the reports
         logits = torch.zeros(shape.sampled, LOGITS_WIDTH)
         logits[:, SYNTHETIC_TOKEN] = 1.0
         return logits
