@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 
@@ -157,7 +158,13 @@ def cmd_plan(args, cfg: DictConfig) -> int:
     return run_plan(cfg)
 
 
-COMMANDS = {"calibrate": cmd_calibrate, "plan": cmd_plan, "run": cmd_run, "compare": cmd_compare, "plugins": cmd_plugins, "generate": cmd_generate,
+def cmd_disagg(args, cfg: DictConfig) -> int:
+    from core.bench.disagg_report import run_disagg
+
+    return run_disagg(cfg)
+
+
+COMMANDS = {"calibrate": cmd_calibrate, "plan": cmd_plan, "disagg": cmd_disagg, "run": cmd_run, "compare": cmd_compare, "plugins": cmd_plugins, "generate": cmd_generate,
             "eval": cmd_eval, "serve": cmd_serve, "bench": cmd_bench}
 
 
@@ -178,6 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--label", action="append", help="a name for each variant, in order")
     add("plan", "KV memory, concurrency and max_model_len for a model on hardware=NAME; with plan.slo=true "
         "the replicas for a request rate at the SLO targets (simulated)")
+    add("disagg", "prefill/decode disaggregation against colocated replicas on the same devices, simulated: "
+        "SLO attainment by rate, capacities and the break-even")
     add("calibrate", "fit this CPU's hardware profile (hardware=cpu) from measured steps, then check the simulator "
         "against real runs of calibrate.validate")
     add("plugins", "list every component by kind, name and the package it came from")
@@ -220,10 +229,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per poll is noise
     try:
         overrides = expand_sweeps(args.overrides)[0] if getattr(args, "multirun", False) else args.overrides
-        if args.command == "plan" and not any(o.startswith("backend=") for o in overrides):
-            overrides = ["backend=simulator"] + overrides  # plan's hardware is simulated hardware
+        if args.command in ("plan", "disagg") and not any(o.startswith("backend=") for o in overrides):
+            overrides = ["backend=simulator"] + overrides  # their hardware is simulated hardware
         cfg = compose(overrides)
         check_before_loading(args.command, cfg)
+        if int(os.environ.get("RANK", "0")) > 0:  # torchrun's other ranks serve rank 0's engine
+            return run_worker(cfg)
         return COMMANDS[args.command](args, cfg)
     except ServelabError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -236,6 +247,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {_first_line(e)}", file=sys.stderr)
             return 2
         raise
+
+
+def run_worker(cfg: DictConfig) -> int:
+    from core.engine.components import build_worker_backend, engine_config
+    from core.parallel.executor import worker_main
+
+    ec = engine_config(cfg)
+    worker_main(build_worker_backend, ec, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://")
+    return 0
 
 
 def check_before_loading(command: str, cfg: DictConfig) -> None:

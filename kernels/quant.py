@@ -23,10 +23,11 @@ INT4_INNER_K_TILES = 2  # the CPU packer's tiling: K must be a multiple of 16 * 
 # ---- INT8, symmetric, one scale per output channel ------------------------------------------
 
 
-def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] -> (q int8 [N, K], scales [N] fp32) with w ~ q * scale."""
+def quantize_int8(w: torch.Tensor, absmax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (q int8 [N, K], scales [N] fp32) with w ~ q * scale. `absmax`: each row's
+    largest magnitude when `w` is a slice of wider rows (a tensor-parallel shard keeps their scale)."""
     w = w.float()
-    scales = w.abs().amax(dim=1).clamp(min=1e-8) / 127.0
+    scales = (w.abs().amax(dim=1) if absmax is None else absmax.float()).clamp(min=1e-8) / 127.0
     q = torch.clamp(torch.round(w / scales[:, None]), -127, 127).to(torch.int8)
     return q, scales
 
@@ -109,7 +110,7 @@ class Int8Linear(nn.Module):
 
     @classmethod
     def from_linear(cls, lin: nn.Linear, fast: bool = True) -> Int8Linear:
-        q, s = quantize_int8(lin.weight.data)
+        q, s = quantize_int8(lin.weight.data, getattr(lin, "row_absmax", None))
         return cls(q, s, None if lin.bias is None else lin.bias.data, fast)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -164,3 +164,30 @@ def capacity_plot(results: list[dict], path: Path) -> str | None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path.name
+
+
+def disagg_plot(points: list[dict], meta: dict, path: Path) -> str | None:
+    """`disagg`: attainment, TTFT p99 and TPOT p99 against rate, colocated and each P:D split."""
+    main = [p for p in points if "bandwidth_gbs" not in p]
+    if not main:
+        return None
+    plt = _plt()
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for config in dict.fromkeys(p["config"] for p in main):
+        ps = sorted((p for p in main if p["config"] == config), key=lambda p: p["rate"])
+        x = [p["rate"] for p in ps]
+        axes[0].plot(x, [p["attained"] * 100 for p in ps], "o-", label=config)
+        axes[1].plot(x, [p["ttft_p99_s"] or 0 for p in ps], "o-", label=config)
+        axes[2].plot(x, [(p["tpot_p99_s"] or 0) * 1000 for p in ps], "o-", label=config)
+    axes[0].axhline(meta["attainment"] * 100, color="grey", ls="--", lw=1)
+    axes[1].axhline(meta["slo"][0], color="grey", ls="--", lw=1)
+    axes[2].axhline(meta["slo"][1] * 1000, color="grey", ls="--", lw=1)
+    for ax, title in zip(axes, ("requests meeting both targets (%)", "TTFT p99 (s)", "TPOT p99 (ms)")):
+        ax.set_xlabel("offered rate (req/s)")
+        ax.set_title(f"{title}, simulated")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path.name

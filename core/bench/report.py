@@ -9,6 +9,7 @@ from pathlib import Path
 
 from core.bench import plots as plotting
 from core.bench.capacity import capacities, capacity_markdown, step_cost_markdown
+from core.bench.system_md import parallel_md, simulated_md
 from core.config.schema import RunConfig
 
 VERSION = 1
@@ -99,14 +100,7 @@ def _header(result: dict) -> str:
             f"- KV cache: {result['kv_cache']}\n"
             + (simulated_md(result["summary"]["simulated"]) if result["summary"].get("simulated") else
                f"- machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['torch_threads']} threads)"
-               + (f"; device: {m['device']}" if m.get("device_type") == "cuda" else "")))
-
-
-def simulated_md(sim: dict) -> str:
-    share = ", ".join(f"{k} {v * 100:.0f} %" for k, v in sim["share_by_part"].items() if v >= 0.005)
-    hw = sim["hardware"]
-    return (f"- **simulated** (backend=simulator): no model ran; every step's time is the roofline model's on "
-            f"{sim['describe']} ({hw['source'] or 'profile'}); simulated time by part: {share}")
+               + (f"; device: {m['device']}" if m.get("device_type") == "cuda" else "")) + parallel_md(result["summary"]))
 
 
 def run_markdown(result: dict, plots: list[str]) -> str:
@@ -202,7 +196,9 @@ def comparison_markdown(results: list[dict], plots: list[str]) -> str:
                   _md_table(["run", "acceptance rate", "mean accepted length", "draft tokens"], spec), ""]
     for r in results:
         sim = r["summary"].get("simulated")
-        lines += [f"### `{r['label']}`", ""] + ([simulated_md(sim), ""] if sim else []) + [_latency_table(r["summary"]), "", _roofline_md(r["roofline"], r["summary"], r["machine"].get("device")), ""]
+        lines += [f"### `{r['label']}`", ""] + ([simulated_md(sim), ""] if sim else []) + (
+            [parallel_md(r["summary"]).strip(), ""] if r["summary"].get("parallel") else []) + [
+            _latency_table(r["summary"]), "", _roofline_md(r["roofline"], r["summary"], r["machine"].get("device")), ""]
     if plots:
         lines += ["## Plots", ""] + [f"![{p}]({p})" for p in plots] + [""]
     return "\n".join(lines)

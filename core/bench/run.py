@@ -48,6 +48,7 @@ class Measured:
     is_peer: bool = False
     step_cost: dict | None = None  # the engine's online step-cost model at the end of the run
     simulated: dict | None = None  # backend=simulator: the hardware and the simulated time by part
+    parallel: dict | None = None  # tensor parallel: ranks and the collectives' share of step time
 
 
 def peer_config(cfg: DictConfig) -> PeerConfig | None:
@@ -57,6 +58,8 @@ def peer_config(cfg: DictConfig) -> PeerConfig | None:
 
 def default_run_name(ec: EngineConfig, wc: WorkloadConfig, peer: PeerConfig | None) -> str:
     system = f"peer_{peer.name}" if peer else f"{ec.scheduler.name}-{ec.cache.name}-{ec.quant.name}-{ec.backend.name}"
+    if not peer and ec.parallel.tensor_parallel_size > 1:
+        system += f"-tp{ec.parallel.tensor_parallel_size}"
     if not peer and ec.decoder.name != "sampling":  # e.g. speculative-ngram: a run that decodes differently says so
         system += f"-{ec.decoder.name}" + (f"-{ec.decoder.method}" if hasattr(ec.decoder, "method") else "")
     return f"{wc.name}-{system}-{ec.model.dtype}"
@@ -68,7 +71,16 @@ def measure_engine(ec: EngineConfig, wc: WorkloadConfig, rc: RunConfig) -> Measu
     materialize(workload, engine.tokenizer)
     warm_up(engine, rc.warmup_requests)
     base = engine.allocator.stats()
+    comm = getattr(engine.backend, "comm", None)  # tensor parallel: rank 0's time in collectives
+    comm0 = (comm.seconds, comm.calls) if comm else None
     records, steps, duration, rejected = drive_engine(engine, workload, rc.progress, slo_targets(wc, rc), rc.shed)
+    parallel = None
+    if comm:
+        spent = comm.seconds - comm0[0]
+        parallel = {"tensor_parallel_size": ec.parallel.tensor_parallel_size, "collective_s": spent,
+                    "collective_calls": comm.calls - comm0[1],
+                    "collective_share": spent / max(sum(st["duration_s"] for st in steps), 1e-9)}
+    engine.close()
     for s in steps:  # counters are cumulative: count this run only
         s["prefix_queries"] -= base.prefix_queries
         s["prefix_hits"] -= base.prefix_hits
@@ -77,7 +89,7 @@ def measure_engine(ec: EngineConfig, wc: WorkloadConfig, rc: RunConfig) -> Measu
     return Measured(records, steps, duration, engine.loaded.args,
                     engine.backend.weight_bytes if simulated else weight_bytes(engine.model),
                     engine.kv_spec.bytes_per_token, kv, workload, rejected,
-                    step_cost=engine.core.context.cost_model.to_dict(), simulated=simulated)
+                    step_cost=engine.core.context.cost_model.to_dict(), simulated=simulated, parallel=parallel)
 
 
 def simulation_summary(backend) -> dict:
@@ -155,6 +167,8 @@ def run_one(cfg: DictConfig, label: str | None = None) -> dict:
         summary["step_cost"] = m.step_cost
     if m.simulated:
         summary["simulated"] = m.simulated
+    if m.parallel:
+        summary["parallel"] = m.parallel
     args = m.args
     return {
         "label": label or default_run_name(ec, wc, pc),

@@ -84,6 +84,14 @@ BASE_CONFIGS: dict[str, type] = {
 
 
 @dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1  # ranks the model is split over (Megatron layout); the engine starts them
+    distributed_backend: str = "auto"  # auto: gloo on the CPU, nccl on CUDA | gloo | nccl
+    master_port: int | None = None  # rank 0's port for the others (engine-started ranks); None: a free one
+    timeout_s: float = 60.0  # a collective waiting longer fails (a rank that hangs rather than dies)
+
+
+@dataclass
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -94,6 +102,7 @@ class EngineConfig:
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     seed: int = 0
     hardware: Any = None  # a core.engine.hardware.HardwareProfile: what backend=simulator simulates
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
 
 @dataclass

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from core.config.schema import DTYPE_NAMES, ENGINE_KINDS, EngineConfig, ModelConfig, section, to_dict
+from core.config.schema import DTYPE_NAMES, ENGINE_KINDS, EngineConfig, ModelConfig, ParallelConfig, section, to_dict
 from core.engine.hardware import load_hardware
 from core.engine.interfaces import has_capability
 from core.engine.registry import Registry, get_registry
@@ -21,6 +21,7 @@ from core.model.dummy import dummy_args, dummy_model
 from core.model.llama import ModelArgs
 from core.model.loader import DTYPES, LoadedModel, load_model, load_tokenizer, read_model_args
 from core.model.tokenizer import Tokenizer
+from core.parallel.executor import DistributedBackend, check_parallel, local_spec, shard_model, start_ranks
 from core.runner.memory import activation_reserve
 from core.runner.model_runner import ModelRunner
 
@@ -33,9 +34,12 @@ def engine_config(cfg: Any, registry: Registry | None = None) -> EngineConfig:
     hardware = cfg.get("hardware")
     ec = EngineConfig(model=section(ModelConfig, cfg.get("model"), "model"), seed=int(cfg.get("seed", 0) or 0),
                       hardware=load_hardware(to_dict(hardware) if hardware is not None else None),
+                      parallel=section(ParallelConfig, cfg.get("parallel"), "parallel"),
                       **{kind: component_config(registry, kind, cfg.get(kind)) for kind in ENGINE_KINDS})
     validate(ec)
-    is_simulated(ec, registry)
+    if is_simulated(ec, registry) and ec.parallel.tensor_parallel_size > 1:
+        raise ConfigError("backend=simulator models tensor parallelism itself: use backend.tensor_parallel_size")
+    check_parallel(ec)
     return ec
 
 
@@ -137,6 +141,11 @@ def model_tokenizer(config: EngineConfig) -> Tokenizer:
     return load_tokenizer(resolve_model_path(config))
 
 
+def shape_only(config: EngineConfig) -> LoadedModel:
+    """What a simulator loads: the model's shape and tokenizer, no weights."""
+    return LoadedModel(None, model_tokenizer(config), model_args(config), resolve_model_path(config))
+
+
 @dataclass
 class EngineParts:
     config: EngineConfig
@@ -156,23 +165,42 @@ class EngineParts:
 
 def build_parts(config: EngineConfig, registry: Registry, loaded: LoadedModel | None = None) -> EngineParts:
     config = typed(config, registry)  # every name and key checked before the (slow) model load
+    world = config.parallel.tensor_parallel_size
+    workers = start_ranks(config, model_args(config), build_worker_backend) if world > 1 else None
+    try:
+        return _build_parts(config, registry, loaded, workers)
+    except BaseException:
+        if workers:
+            workers.shutdown(timeout=1.0)
+        raise
+
+
+def _build_parts(config: EngineConfig, registry: Registry, loaded: LoadedModel | None, workers) -> EngineParts:
     mc = config.model
     device = resolve_device(mc.device)
     torch.manual_seed(config.seed)
     simulated = is_simulated(config, registry)
-    if loaded is None:  # a simulator needs the model's shape and tokenizer only
-        loaded = LoadedModel(None, model_tokenizer(config), model_args(config), resolve_model_path(config)) \
-            if simulated else load_weights(config, device)
+    if loaded is None:
+        loaded = shape_only(config) if simulated else load_weights(config, device)
     quantizer = registry.create("quant", config.quant, tokenizer=loaded.tokenizer, source=loaded.source)
-    model = None if simulated else quantizer.quantize(loaded.model)
+    shard = None
+    if simulated:
+        model = None
+    elif workers:
+        model, shard = shard_model(loaded.model, quantizer, config, 0, config.parallel.tensor_parallel_size)
+    else:
+        model = quantizer.quantize(loaded.model)
     args = loaded.args
     kv_dtype = torch.int8 if config.cache.dtype == "int8" else DTYPES[mc.dtype]
     kv_spec = KVCacheSpec(args.num_layers, args.num_kv_heads, args.head_dim, kv_dtype, mc.max_model_len)
     sc = config.scheduler
     reserve = activation_reserve(args, sc.max_num_batched_tokens, sc.max_num_seqs)
     attention = registry.create("attention", config.attention, device=device)
-    backend = registry.create("backend", config.backend, model=model, spec=kv_spec, attention=attention, device=device,
-                              max_num_seqs=sc.max_num_seqs, model_args=args, engine_config=config)
+    backend = registry.create("backend", config.backend, model=model, spec=local_spec(kv_spec, shard) if shard else
+                              kv_spec, attention=attention, device=device, max_num_seqs=sc.max_num_seqs, model_args=args,
+                              engine_config=config)
+    if workers:
+        backend = DistributedBackend(backend, workers)
     if simulated and config.cache.memory_gb is None:  # the pool of the simulated devices, not of this machine
         utilization = getattr(config.cache, "memory_utilization", None) or config.hardware.default_memory_utilization
         budget = backend.kv_budget_bytes(config, args, backend.weight_bytes, reserve, utilization)
@@ -195,3 +223,22 @@ def build_parts(config: EngineConfig, registry: Registry, loaded: LoadedModel | 
     runner = getattr(backend, "runner", None) or ModelRunner(device, attention)  # a simulator builds no tensors
     return EngineParts(config, loaded, model, device, kv_spec, quantizer, allocator, attention, backend, scheduler,
                        decoder, runner, context)
+
+
+def build_worker_backend(config: EngineConfig, rank: int, world: int):
+    """What a tensor-parallel worker rank builds: the same model load, its shard, its KV cache and
+    backend (no scheduler or allocator: rank 0 sends it every call)."""
+    registry = get_registry()
+    config = typed(config, registry)
+    device = resolve_device(config.model.device)
+    torch.manual_seed(config.seed)
+    loaded = load_weights(config, device)
+    quantizer = registry.create("quant", config.quant, tokenizer=loaded.tokenizer, source=loaded.source)
+    model, shard = shard_model(loaded.model, quantizer, config, rank, world)
+    args = loaded.args
+    kv_dtype = torch.int8 if config.cache.dtype == "int8" else DTYPES[config.model.dtype]
+    spec = KVCacheSpec(args.num_layers, args.num_kv_heads, args.head_dim, kv_dtype, config.model.max_model_len)
+    attention = registry.create("attention", config.attention, device=device)
+    return registry.create("backend", config.backend, model=model, spec=local_spec(spec, shard), attention=attention,
+                           device=device, max_num_seqs=config.scheduler.max_num_seqs, model_args=args,
+                           engine_config=config)

@@ -35,6 +35,12 @@ class Engine:
         self.output = OutputProcessor(self.tokenizer, detokenize=self.model is not None)
         self.name = config.model.name
 
+    def close(self) -> None:
+        """Stop what the engine started (tensor-parallel ranks); a no-op otherwise."""
+        close = getattr(self.backend, "close", None)
+        if close is not None:
+            close()
+
     @property
     def name(self) -> str:
         """What the observers see this engine as (the server sets its served model name)."""

@@ -35,6 +35,8 @@ class SamplingParams:
     logprobs: int | None = None  # how many top logprobs to return per token (0: only the chosen)
     slo_ttft_s: float | None = None  # service-level targets (None: the scheduler's defaults)
     slo_tpot_s: float | None = None
+    # P/D disaggregation: prompt tokens whose KV a prefill instance sent (simulator: loaded, not computed)
+    remote_prefill_tokens: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -57,6 +59,8 @@ class SamplingParams:
             raise RequestError(f"n must be between 1 and {MAX_N}, got {self.n}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise RequestError(f"logprobs must be between 0 and 20, got {self.logprobs}")
+        if not (isinstance(self.remote_prefill_tokens, int) and self.remote_prefill_tokens >= 0):
+            raise RequestError(f"remote_prefill_tokens must be a non-negative integer, got {self.remote_prefill_tokens!r}")
         for name, value in (("slo_ttft_s", self.slo_ttft_s), ("slo_tpot_s", self.slo_tpot_s)):
             if value is not None and not (isinstance(value, (int, float)) and value > 0):
                 raise RequestError(f"{name} must be a positive number of seconds, got {value!r}")
@@ -76,11 +80,7 @@ class SequenceStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in (
-            SequenceStatus.FINISHED_STOPPED,
-            SequenceStatus.FINISHED_LENGTH,
-            SequenceStatus.FINISHED_ABORTED,
-        )
+        return self in (SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH, SequenceStatus.FINISHED_ABORTED)
 
 
 @dataclass
@@ -173,10 +173,8 @@ class Sequence:
         return self.num_tokens + len(self.spec_token_ids) - self.num_computed_tokens
 
     def __repr__(self) -> str:
-        return (
-            f"Sequence(id={self.seq_id}, req={self.request_id!r}, prompt={self.num_prompt_tokens}, "
-            f"out={self.num_output_tokens}, computed={self.num_computed_tokens}, {self.status.value})"
-        )
+        return (f"Sequence(id={self.seq_id}, req={self.request_id!r}, prompt={self.num_prompt_tokens}, "
+                f"out={self.num_output_tokens}, computed={self.num_computed_tokens}, {self.status.value})")
 
 
 @dataclass

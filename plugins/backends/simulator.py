@@ -57,7 +57,9 @@ class SimulatedRunner:
     """The model runner of a simulated step: the lengths the step-time model reads, no tensors."""
 
     def prepare(self, scheduled, block_tables, block_size: int) -> ModelInput:
-        qlens = [s.num_new_tokens for s in scheduled]
+        # a remote prefill's tokens arrive as KV (P/D disaggregation): they take KV slots but no compute
+        qlens = [s.num_new_tokens - max(0, min(s.num_new_tokens, s.seq.params.remote_prefill_tokens
+                                               - s.seq.num_computed_tokens)) for s in scheduled]
         ctxs = [s.seq.num_computed_tokens + s.num_new_tokens for s in scheduled]
         sample_rows = [i for i, s in enumerate(scheduled) if s.needs_sample]
         logits = sum(1 + scheduled[i].num_draft_tokens for i in sample_rows)
@@ -111,7 +113,8 @@ class SimulatorBackend:
         meta = batch.attn
         shape = StepShape(sampled=len(batch.logits_indices))
         for q, c in zip(meta.query_lens_cpu, meta.context_lens_cpu):
-            shape.add(q, c, sampled=False)
+            if q:  # (a chunk of loaded KV only computes nothing)
+                shape.add(q, c, sampled=False)
         t = self.time_model.step(shape.tokens, shape.sampled, shape.kv_read, shape.attn_pairs, meta.num_seqs)
         for part in ("linear", "lm_head", "attention", "allreduce", "overhead"):
             setattr(self.spent, part, getattr(self.spent, part) + float(getattr(t, part)))

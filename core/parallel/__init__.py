@@ -1,0 +1,1 @@
+"""Tensor parallelism: the model split over ranks, and the ranks that run it."""
