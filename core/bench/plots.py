@@ -155,7 +155,13 @@ def capacity_plot(results: list[dict], path: Path) -> str | None:
         axes[2].plot(x, [(r["summary"]["tpot_s"].get("p99") or 0) * 1000 for r in rs], "o-", label=system)
     axes[0].axhline(capacity.ATTAINMENT * 100, color="grey", ls="--", lw=1)
     axes[2].axhline(slo["tpot_s"] * 1000, color="grey", ls="--", lw=1)
-    for ax, title in zip(axes, ("requests meeting both targets (%)", "goodput (req/s)", "TPOT p99 (ms)")):
+    return _rate_panels(plt, fig, axes, ("requests meeting both targets (%)", "goodput (req/s)", "TPOT p99 (ms)"),
+                        path)
+
+
+def _rate_panels(plt, fig, axes, titles, path: Path) -> str:
+    """Label panels that share an offered-rate axis, save the figure, return its file name."""
+    for ax, title in zip(axes, titles):
         ax.set_xlabel("offered rate (req/s)")
         ax.set_title(title)
         ax.grid(alpha=0.3)
@@ -182,12 +188,5 @@ def disagg_plot(points: list[dict], meta: dict, path: Path) -> str | None:
     axes[0].axhline(meta["attainment"] * 100, color="grey", ls="--", lw=1)
     axes[1].axhline(meta["slo"][0], color="grey", ls="--", lw=1)
     axes[2].axhline(meta["slo"][1] * 1000, color="grey", ls="--", lw=1)
-    for ax, title in zip(axes, ("requests meeting both targets (%)", "TTFT p99 (s)", "TPOT p99 (ms)")):
-        ax.set_xlabel("offered rate (req/s)")
-        ax.set_title(f"{title}, simulated")
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path.name
+    return _rate_panels(plt, fig, axes, [f"{t}, simulated" for t in ("requests meeting both targets (%)",
+                                                                      "TTFT p99 (s)", "TPOT p99 (ms)")], path)

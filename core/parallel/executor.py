@@ -19,6 +19,7 @@ import atexit
 import datetime
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -231,6 +232,7 @@ def worker_main(build, config, rank: int, world: int, init_method: str, threads:
     `build(config, rank, world)` makes its backend (core.engine.components.build_worker_backend)."""
     if threads:
         torch.set_num_threads(threads)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is rank 0's to handle: it stops the ranks
     try:
         init_group(config, rank, world, init_method)
         worker_loop(build, config, rank, world)
