@@ -21,8 +21,7 @@ def test_a_jobs_label_is_what_it_swept():
     assert swept_labels([["a=1"], ["a=1"]]) == ["base", "base"]
 
 
-@pytest.mark.parametrize("launcher", [["hydra/launcher=joblib", "hydra.launcher.n_jobs=2"],
-                                      ["hydra/launcher=submitit_local", "hydra.launcher.timeout_min=5"]])
+@pytest.mark.parametrize("launcher", [["hydra/launcher=joblib", "hydra.launcher.n_jobs=2"]])
 def test_a_launched_sweep_matches_run_and_writes_one_comparison(tmp_path, launcher):
     """Two simulated jobs through the launcher: each matches `python -m core run` with the same
     overrides (the simulator is deterministic), and the callback gathers both into one report."""

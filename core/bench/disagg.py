@@ -3,8 +3,9 @@
 The same devices (disagg.instances engines of backend=simulator, each possibly tensor-parallel)
 serve the same Poisson load two ways:
 
-- **colocated**: every instance runs both phases (chunked prefill beside decodes, as vLLM does by
-  default); a request goes to the instance with the fewest outstanding requests;
+- **colocated**: every instance runs both phases, with chunked prefill beside decodes as vLLM does
+  by default, or with whole prompts (disagg.colocated: chunked, whole); a request goes to the
+  instance with the fewest outstanding requests;
 - **disaggregated** (DistServe, Mooncake, vLLM's P/D connectors): P instances only prefill (a
   request with max_tokens=1), then the prompt's KV crosses the interconnect to one of the D
   decode instances (fewest outstanding), which loads it instead of computing it
@@ -12,6 +13,8 @@ serve the same Poisson load two ways:
   recomputes only the last prompt token to produce the first token the client sees, as vLLM's
   proxy does. Each prefill instance sends one transfer at a time over its link
   (latency + prompt x KV bytes per token / (bandwidth x tensor-parallel ranks)), so transfers queue.
+  The prefill instance frees a request's KV when its token is out: memory held until the transfer
+  ends is not modelled (it flatters the prefill pool a little under slow links).
 
 All instances advance on their own virtual clocks in one discrete-event loop: the busy instance
 furthest behind steps next, and an arrival or a finished transfer reaches its instance before any
