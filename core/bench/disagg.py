@@ -235,11 +235,9 @@ def simulate(ec: EngineConfig, loaded, workload, num_prefill: int | None, instan
     waits = [r["transfer_wait_s"] for r in cluster.records if "transfer_wait_s" in r]
     s["transfer_s"] = {"p50": float(_quantile(transfers, 0.5)), "p99": float(_quantile(transfers, 0.99)),
                        "wait_p99": float(_quantile(waits, 0.99))} if transfers else None
-    busy = {x.role: 0.0 for x in prefill + decode}
-    for x in prefill + decode:
-        busy[x.role] += sum(vars(x.engine.backend.spent).values()) / max(duration, 1e-9) / \
-            sum(y.role == x.role for y in prefill + decode)
-    s["busy_share"] = busy  # the share of the run each pool's devices spent in steps
+    pools = {"prefill": prefill, "decode": decode} if decode else {"both": prefill}
+    s["busy_share"] = {role: sum(x.engine.backend.spent.total for x in pool) / len(pool) / max(duration, 1e-9)
+                       for role, pool in pools.items()}  # the share of the run each pool's devices spent in steps
     n = len(cluster.records) + len(cluster.rejected)  # the same records, scored against tighter or looser TPOT
     s["attained_by_tpot"] = {t: sum(meets_slo(r, slo[0], t) for r in cluster.records) / n if n else 0.0
                              for t in tpot_targets}

@@ -87,12 +87,12 @@ def bandwidth_break_even(points: list[dict], margin: float) -> dict | None:
             "bandwidth_gbs": crossing(xs, [lead(p["attained"], base["attained"], margin) for p in bw], 0.0)}
 
 
-def run_sweep(ec, wc, rc, dc: DisaggConfig, bar) -> list[dict]:
+def run_sweep(ec, loaded, wc, rc, dc: DisaggConfig, bar) -> list[dict]:
+    """Every configuration at every rate (and the bandwidth sweep); `loaded`: the model's shape and
+    tokenizer, shared by every instance of every run."""
     from core.bench.driver import slo_targets
-    from core.engine.components import shape_only
     from scenarios.workloads import build_workload, materialize
 
-    loaded = shape_only(ec)
     slo = slo_targets(wc, rc)
     gbs = dc.transfer_gbs or ec.hardware.interconnect_gbs
     targets = sorted(set(dc.tpot_targets) | {slo[1]})  # the run's own TPOT target among them
@@ -208,7 +208,7 @@ def run_disagg(cfg: DictConfig) -> int:
 
     from core.bench.driver import slo_targets, workload_config
     from core.config.schema import run_config
-    from core.engine.components import engine_config
+    from core.engine.components import engine_config, kv_cache_spec, shape_only
 
     ec, wc, rc = engine_config(cfg), workload_config(cfg), run_config(cfg)
     dc = disagg_config(cfg)
@@ -217,14 +217,10 @@ def run_disagg(cfg: DictConfig) -> int:
         raise ConfigError(f"hardware '{ec.hardware.name}' has no interconnect: set disagg.transfer_gbs")
     runs = (len(dc.colocated) + len(dc.prefill_instances)) * len(dc.rates) + len(dc.bandwidths)
     with tqdm(total=runs * dc.num_requests, desc="disagg", unit="req", disable=not rc.progress) as bar:
-        points = run_sweep(ec, wc, rc, dc, bar)
+        loaded = shape_only(ec)
+        points = run_sweep(ec, loaded, wc, rc, dc, bar)
     result = summarize_sweep(points, dc)
-    from core.engine.components import model_args
-    from core.engine.types import KVCacheSpec
-    from core.model.loader import DTYPES
-
-    args = model_args(ec)
-    kv = KVCacheSpec(args.num_layers, args.num_kv_heads, args.head_dim, DTYPES[ec.model.dtype], ec.model.max_model_len)
+    kv = kv_cache_spec(ec, loaded.args)  # the configured cache dtype's, as the instances hold it
     meta = {"model": ec.model.name, "hardware": ec.hardware.name, "instances": dc.instances, "workload": wc.name,
             "num_requests": dc.num_requests, "scheduler": ec.scheduler.name, "max_model_len": ec.model.max_model_len,
             "max_num_batched_tokens": ec.scheduler.max_num_batched_tokens, "slo": list(slo_targets(wc, rc)),

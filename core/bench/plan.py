@@ -27,8 +27,8 @@ import numpy as np
 from omegaconf import DictConfig
 
 from core.config.schema import EngineConfig, section
+from core.engine.components import kv_cache_spec
 from core.engine.hardware import StepTimeModel, weight_bytes_per_param
-from core.engine.types import KVCacheSpec
 from core.errors import ConfigError
 from core.model.loader import DTYPES
 from core.runner.memory import activation_reserve
@@ -68,10 +68,9 @@ def model_memory(ec: EngineConfig, args) -> dict:
     """Weights and KV per token as the engine would hold them (quantization and KV dtype included)."""
     bytes_per_param = weight_bytes_per_param(ec.quant.name, DTYPES[ec.model.dtype].itemsize)
     params = StepTimeModel.param_counts(args)["total"]
-    kv_dtype = DTYPES["int8"] if ec.cache.dtype == "int8" else DTYPES[ec.model.dtype]
-    spec = KVCacheSpec(args.num_layers, args.num_kv_heads, args.head_dim, kv_dtype, ec.model.max_model_len)
+    spec = kv_cache_spec(ec, args)
     return {"parameters": params, "bytes_per_param": bytes_per_param, "weight_bytes": params * bytes_per_param,
-            "kv_bytes_per_token": spec.bytes_per_token, "kv_dtype": str(kv_dtype).removeprefix("torch.")}
+            "kv_bytes_per_token": spec.bytes_per_token, "kv_dtype": str(spec.dtype).removeprefix("torch.")}
 
 
 def make_plan(ec: EngineConfig, wc, pc: PlanConfig) -> dict:

@@ -191,14 +191,9 @@ def _build_parts(config: EngineConfig, registry: Registry, loaded: LoadedModel |
     else:
         model = quantizer.quantize(loaded.model)
     args = loaded.args
-    kv_dtype = torch.int8 if config.cache.dtype == "int8" else DTYPES[mc.dtype]
-    kv_spec = KVCacheSpec(args.num_layers, args.num_kv_heads, args.head_dim, kv_dtype, mc.max_model_len)
     sc = config.scheduler
     reserve = activation_reserve(args, sc.max_num_batched_tokens, sc.max_num_seqs)
-    attention = registry.create("attention", config.attention, device=device)
-    backend = registry.create("backend", config.backend, model=model, spec=local_spec(kv_spec, shard) if shard else
-                              kv_spec, attention=attention, device=device, max_num_seqs=sc.max_num_seqs, model_args=args,
-                              engine_config=config)
+    kv_spec, attention, backend = _attention_and_backend(config, registry, device, model, args, shard)
     if workers:
         backend = DistributedBackend(backend, workers)
     if simulated and config.cache.memory_gb is None:  # the pool of the simulated devices, not of this machine
@@ -225,6 +220,22 @@ def _build_parts(config: EngineConfig, registry: Registry, loaded: LoadedModel |
                        decoder, runner, context)
 
 
+def kv_cache_spec(config: EngineConfig, args: ModelArgs) -> KVCacheSpec:
+    """The whole model's KV geometry at the configured cache dtype (int8, or the model's)."""
+    kv_dtype = torch.int8 if config.cache.dtype == "int8" else DTYPES[config.model.dtype]
+    return KVCacheSpec(args.num_layers, args.num_kv_heads, args.head_dim, kv_dtype, config.model.max_model_len)
+
+
+def _attention_and_backend(config: EngineConfig, registry: Registry, device, model, args: ModelArgs, shard):
+    """(the whole KV spec, attention, backend); a tensor-parallel `shard` holds its own KV heads only."""
+    kv_spec = kv_cache_spec(config, args)
+    attention = registry.create("attention", config.attention, device=device)
+    backend = registry.create("backend", config.backend, model=model, spec=local_spec(kv_spec, shard) if shard else
+                              kv_spec, attention=attention, device=device, max_num_seqs=config.scheduler.max_num_seqs,
+                              model_args=args, engine_config=config)
+    return kv_spec, attention, backend
+
+
 def build_worker_backend(config: EngineConfig, rank: int, world: int):
     """What a tensor-parallel worker rank builds: the same model load, its shard, its KV cache and
     backend (no scheduler or allocator: rank 0 sends it every call)."""
@@ -235,10 +246,4 @@ def build_worker_backend(config: EngineConfig, rank: int, world: int):
     loaded = load_weights(config, device)
     quantizer = registry.create("quant", config.quant, tokenizer=loaded.tokenizer, source=loaded.source)
     model, shard = shard_model(loaded.model, quantizer, config, rank, world)
-    args = loaded.args
-    kv_dtype = torch.int8 if config.cache.dtype == "int8" else DTYPES[config.model.dtype]
-    spec = KVCacheSpec(args.num_layers, args.num_kv_heads, args.head_dim, kv_dtype, config.model.max_model_len)
-    attention = registry.create("attention", config.attention, device=device)
-    return registry.create("backend", config.backend, model=model, spec=local_spec(spec, shard), attention=attention,
-                           device=device, max_num_seqs=config.scheduler.max_num_seqs, model_args=args,
-                           engine_config=config)
+    return _attention_and_backend(config, registry, device, model, loaded.args, shard)[2]
