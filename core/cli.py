@@ -16,7 +16,8 @@ import time
 
 from omegaconf import DictConfig
 
-from core.config.compose import compose, expand_sweeps
+from core.bench.preflight import check_before_loading
+from core.config.compose import compose, expand_sweeps, first_line, is_config_error
 from core.config.schema import run_config
 from core.errors import ConfigError, ServelabError
 
@@ -129,13 +130,18 @@ def cmd_bench(args, cfg: DictConfig) -> int:
     from core.bench.loadtest import run_bench
 
     overrides, cfg = bench_overrides(list(args.overrides), args.multirun)
-    engine_overrides = [o for o in overrides if not o.startswith(("scenario", "target", "run.", "workload"))]
-    return run_bench(cfg, engine_overrides)
+    if args.variant and (cfg.scenario.ramp or cfg.scenario.get("ramp_rates")):
+        raise ConfigError("bench -v compares one stage per variant; drop the ramp (or -m) or the variants")
+    return run_bench(cfg, overrides, [v.split() for v in args.variant or []], args.label)
 
 
 def cmd_serve(args, cfg: DictConfig) -> int:
+    from core.engine.components import engine_config
+    from core.replicas.ray_serve import serve_replicas, uses_ray
     from core.server.app import serve
 
+    if uses_ray(engine_config(cfg).parallel):  # replicas: Ray Serve runs the servers
+        return serve_replicas(cfg, args.overrides)
     return serve(cfg, args.overrides)
 
 
@@ -192,9 +198,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("plugins", "list every component by kind, name and the package it came from")
     add("eval", "quality, size and speed of quantization variants against the unquantized baseline")
     add("serve", "an OpenAI-compatible HTTP server with Prometheus metrics and guard rails")
-    add("bench", "replay a locust scenario against servelab's server (started for you) or target.url=URL").add_argument(
-        "-m", "--multirun", action="store_true",
-        help="sweep scenario.users=1,2,4 or scenario.rate_per_user=... into one curve report")
+    b = add("bench", "replay a locust scenario against servelab's server (started for you) or target.url=URL")
+    b.add_argument("-m", "--multirun", action="store_true",
+                   help="sweep scenario.users=1,2,4 or scenario.rate_per_user=... into one curve report")
+    b.add_argument("-v", "--variant", action="append", help='one server configuration, e.g. -v "parallel.router=pow2"')
+    b.add_argument("--label", action="append", help="a name for each variant, in order")
     g = add("generate", "generate a completion for one prompt, streamed to the terminal")
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-tokens", type=int, default=64)
@@ -243,8 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as e:  # Hydra's own override and composition errors are the user's to fix
-        if _is_config_error(e):
-            print(f"error: {_first_line(e)}", file=sys.stderr)
+        if is_config_error(e):
+            print(f"error: {first_line(e)}", file=sys.stderr)
             return 2
         raise
 
@@ -256,43 +264,3 @@ def run_worker(cfg: DictConfig) -> int:
     ec = engine_config(cfg)
     worker_main(build_worker_backend, ec, int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), "env://")
     return 0
-
-
-def check_before_loading(command: str, cfg: DictConfig) -> None:
-    """Every value a command reads, checked before any model loads: a bad one costs a second, not a load."""
-    from core.engine.components import engine_config
-
-    ec = engine_config(cfg)  # plugins' own keys included
-    run_config(cfg)
-    if command in ("run", "compare", "bench"):
-        from core.bench.driver import workload_config
-        from scenarios.workloads import build_workload
-
-        build_workload(workload_config(cfg), ec.model.max_model_len)  # lengths and arrivals only: no text yet
-    if command in ("serve", "bench"):
-        from core.config.schema import section
-        from core.server.config import ServerConfig, validate
-
-        validate(section(ServerConfig, cfg.get("server"), "server"), cfg.server.served_model_name or ec.model.name)
-
-
-def _is_config_error(e: Exception) -> bool:
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    return isinstance(e, (HydraException, OmegaConfBaseException))
-
-
-def _first_line(e: Exception) -> str:
-    """Hydra's message in one line, every available option of a group included."""
-    lines = str(e).splitlines()
-    head = [ln.strip() for ln in lines if ln.strip()][:2]
-    for i, ln in enumerate(lines):
-        if ln.startswith("Available options in"):
-            options = []
-            for opt in lines[i + 1:]:
-                if not opt.startswith((" ", "\t")) or not opt.strip():
-                    break
-                options.append(opt.strip())
-            return f"{head[0]}; {ln.strip()} {', '.join(options)}"
-    return " ".join(head)

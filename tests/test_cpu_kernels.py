@@ -73,8 +73,7 @@ def test_real_model_same_tokens_with_the_cpu_kernels(default_gguf):
     from core.engine.engine import Engine
     from core.engine.types import SamplingParams
 
-    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
-               "Water boils at a temperature of"]
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 
     def run(attention, dtype):
         cfg = EngineConfig(model=ModelConfig(dtype=dtype, max_model_len=256),
@@ -92,7 +91,7 @@ def test_real_model_same_tokens_with_the_cpu_kernels(default_gguf):
         results = []
         for prompt in prompts:
             seen.clear()
-            out = e.generate([prompt], SamplingParams(max_tokens=24, ignore_eos=True))[0]
+            out = e.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True))[0]
             results.append((out.outputs[0].token_ids, list(seen)))
         return results
 
@@ -100,8 +99,8 @@ def test_real_model_same_tokens_with_the_cpu_kernels(default_gguf):
     assert [t for t, _ in fp32_cpu] == [t for t, _ in fp32]
     ref_err, cpu_err = [], []
     for (t32, l32), (tr, lr), (tc, lc) in zip(fp32, run("torch", "bf16"), run("cpu", "bf16")):
-        assert len(l32) == len(lr) == len(lc) == 24
-        n = next((i for i, abc in enumerate(zip(t32, tr, tc)) if len(set(abc)) > 1), 23)
+        assert len(l32) == len(lr) == len(lc) == 16
+        n = next((i for i, abc in enumerate(zip(t32, tr, tc)) if len(set(abc)) > 1), 15)
         ref_err += [(lr[i] - l32[i]).abs() for i in range(n + 1)]
         cpu_err += [(lc[i] - l32[i]).abs() for i in range(n + 1)]
     ref_mean, cpu_mean = torch.stack(ref_err).mean().item(), torch.stack(cpu_err).mean().item()

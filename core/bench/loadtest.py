@@ -22,10 +22,12 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from core.bench import report
+from core.bench import replica_report, report, server_state
 from core.bench.driver import slo_targets, workload_config
+from core.bench.preflight import check_before_loading
 from core.bench.roofline import machine_info
 from core.bench.summary import summarize
+from core.config.compose import compose
 from core.config.schema import run_config, section
 from core.engine.components import engine_config, model_tokenizer
 from core.errors import ConfigError
@@ -59,6 +61,7 @@ class TargetConfig:
     ignore_eos: bool = True  # whether the server accepts ignore_eos (vLLM, SGLang, servelab do)
     timeout_s: float = 600
     workers: int = 0  # >0: locust master + this many worker processes on this machine
+    kill_replica_after_s: float | None = None  # fault injection: SIGKILL one replica (Ray Serve) this far into the run
 
 
 def _free_port() -> int:
@@ -156,24 +159,6 @@ def _stages(sc: ScenarioConfig) -> list[tuple[int, float]]:
     return [(users, sc.rate_per_user) for users in (sc.ramp or [sc.users])]
 
 
-def server_metrics(url: str, api_key: str | None) -> dict:
-    """Per served model, what the target's own /metrics counted (servelab's and vLLM's names alike):
-    finished requests by reason and generated tokens. Empty if the target exports none."""
-    import httpx
-
-    try:
-        text = httpx.get(f"{url}/metrics", timeout=10).text
-    except httpx.HTTPError:
-        return {}
-    out: dict[str, dict] = {}
-    for name, labels, value in re.findall(r"^(?:servelab|vllm):(request_success_total|generation_tokens_total)"
-                                          r"\{([^}]*)\} ([0-9.e+-]+)$", text, re.M):
-        lab = dict(re.findall(r'(\w+)="([^"]*)"', labels))
-        model = out.setdefault(lab.get("model_name", "?"), {"requests": 0.0, "generation_tokens": 0.0})
-        model["requests" if name.startswith("request") else "generation_tokens"] += float(value)
-    return out
-
-
 def _stage_result(cfg, sc: ScenarioConfig, rc, wc, url: str, workload, users: int, rate: float, records, wall
                   ) -> dict:
     ok = [r for r in records if not r["error"]]
@@ -191,7 +176,66 @@ def _stage_result(cfg, sc: ScenarioConfig, rc, wc, url: str, workload, users: in
     }
 
 
-def run_bench(cfg: DictConfig, overrides: list[str]) -> int:
+def _spec(sc: ScenarioConfig, tc: TargetConfig, rc, wc, workload, tokenizer) -> dict:
+    return {"name": sc.name, "api_key": tc.api_key, "ignore_eos": tc.ignore_eos,
+            "timeout_s": tc.timeout_s, "rate_per_user": sc.rate_per_user, "burstiness": sc.burstiness,
+            "max_requests": sc.max_requests, "agent": sc.agent, "chat": sc.chat,
+            "slo": dict(zip(("slo_ttft_s", "slo_tpot_s"), slo_targets(wc, rc))) if wc.slo_ttft_s or wc.slo_tpot_s
+            else None,
+            "requests": [{"prompt": tokenizer.decode(r.prompt_token_ids), "output_len": r.output_len}
+                         for r in workload.requests]}
+
+
+def bench_target(cfg: DictConfig, overrides: list[str], workload, spec: dict, out: Path, label: str | None = None
+                 ) -> list[dict]:
+    """Every stage against one target (servelab's own server, started with `overrides`, unless
+    target.url is set); the last stage carries what the server counted over all of them."""
+    sc = section(ScenarioConfig, cfg.get("scenario"), "scenario")
+    tc = section(TargetConfig, cfg.get("target"), "target")
+    rc, wc = run_config(cfg), workload_config(cfg)
+    server, url = _start_server(overrides, sc) if tc.url is None else (None, tc.url)
+    try:
+        _wait_ready(url, server)
+        spec = {**spec, "model": tc.model or _served_model(url, tc.api_key)}
+        before, listed = server_state.scrape(url, tc.api_key), server_state.listing(url)
+        killer = server_state.ReplicaKiller(url, tc.kill_replica_after_s).start() if tc.kill_replica_after_s else None
+        stages, results = _stages(sc), []
+        for users, rate in stages:
+            tag = (re.sub(r"\W+", "_", label).strip("_") + "-" if label else "") + f"u{users}" + (f"-r{rate:g}" if sc.ramp_rates else "")
+            records, wall = run_locust({**spec, "rate_per_user": rate}, url, users, max(sc.spawn_rate, users),
+                                       sc.stage_s if len(stages) > 1 else sc.duration_s, out, tag, tc.workers)
+            results.append(_stage_result(cfg, sc, rc, wc, url, workload, users, rate, records, wall))
+        after = server_state.scrape(url, tc.api_key)
+        models, per_replica = server_state.parse(after)
+        last = results[-1]
+        last["server_metrics"] = server_state.difference(models, server_state.parse(before)[0])  # this run's share only
+        totals: dict[str, float] = {}
+        for counts in last["server_metrics"].values():
+            for k, v in counts.items():
+                totals[k] = totals.get(k, 0.0) + v
+        if totals.get("prefix_queries"):
+            last["summary"]["prefix_cache"] = server_state.hit_rate(totals)
+        if listed is not None:
+            now = server_state.listing(url)
+            last["replicas"] = {"router": listed["router"], "at_start": [r["id"] for r in listed["replicas"]],
+                                "at_end": [r["id"] for r in now["replicas"]] if now else [],
+                                "started": now["started"] if now else None, "failures": server_state.failures(after),
+                                "per_replica": {rid: {**c, **server_state.hit_rate(c)} for rid, c in per_replica.items()},
+                                "kill": killer.outcome(now) if killer else None}
+        if label:
+            for r in results:
+                r["label"] = label
+        return results
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait(timeout=60)
+
+
+def run_bench(cfg: DictConfig, overrides: list[str], variants: list[list[str]] | None = None,
+              labels: list[str] | None = None) -> int:
+    """One target, or (variants) one server per variant, each the base overrides plus its own, on
+    the same requests: one comparison report."""
     sc = section(ScenarioConfig, cfg.get("scenario"), "scenario")
     tc = section(TargetConfig, cfg.get("target"), "target")
     rc, ec, wc = run_config(cfg), engine_config(cfg), workload_config(cfg)
@@ -201,33 +245,28 @@ def run_bench(cfg: DictConfig, overrides: list[str]) -> int:
     name = rc.name or f"bench-{sc.name}-{ec.scheduler.name}"
     out = Path(rc.report_dir) / name
     out.mkdir(parents=True, exist_ok=True)
-    server, url = _start_server(overrides, sc) if tc.url is None else (None, tc.url)
-    try:
-        _wait_ready(url, server)
-        model = tc.model or _served_model(url, tc.api_key)
-        spec = {"name": sc.name, "model": model, "api_key": tc.api_key, "ignore_eos": tc.ignore_eos,
-                "timeout_s": tc.timeout_s, "rate_per_user": sc.rate_per_user, "burstiness": sc.burstiness,
-                "max_requests": sc.max_requests, "agent": sc.agent, "chat": sc.chat,
-                "slo": dict(zip(("slo_ttft_s", "slo_tpot_s"), slo_targets(wc, rc))) if wc.slo_ttft_s or wc.slo_tpot_s
-                else None,
-                "requests": [{"prompt": tokenizer.decode(r.prompt_token_ids), "output_len": r.output_len}
-                             for r in workload.requests]}
-        stages = _stages(sc)
+    spec = _spec(sc, tc, rc, wc, workload, tokenizer)
+    if variants:
+        for var in variants:  # every variant composes before the first server starts
+            check_before_loading("bench", compose(overrides + var))
         results = []
-        for users, rate in stages:
-            tag = f"u{users}" + (f"-r{rate:g}" if sc.ramp_rates else "")
-            records, wall = run_locust({**spec, "rate_per_user": rate}, url, users, max(sc.spawn_rate, users),
-                                       sc.stage_s if len(stages) > 1 else sc.duration_s, out, tag, tc.workers)
-            results.append(_stage_result(cfg, sc, rc, wc, url, workload, users, rate, records, wall))
-        results[-1]["server_metrics"] = server_metrics(url, tc.api_key)  # cumulative over the stages
+        for i, var in enumerate(variants):
+            label = labels[i] if labels and i < len(labels) else " ".join(var)
+            print(f"[{i + 1}/{len(variants)}] {label}")
+            vcfg = compose(overrides + var)
+            results += bench_target(vcfg, engine_overrides(overrides + var), workload, spec, out, label)
+        replica_report.write_bench_comparison(results, name, rc)
+    else:
+        results = bench_target(cfg, engine_overrides(overrides), workload, spec, out)
         if len(results) == 1:
             report.write_run(results[0], name, rc)
         else:
             report.write_curve(results, name, rc)
-        print(report.summary_table(results))
-        print(f"report: {out / 'report.md'}")
-    finally:
-        if server is not None:
-            server.terminate()
-            server.wait(timeout=30)
+    print(report.summary_table(results))
+    print(f"report: {out / 'report.md'}")
     return 0
+
+
+def engine_overrides(overrides: list[str]) -> list[str]:
+    """The overrides the server takes (the bench's own sections stay here)."""
+    return [o for o in overrides if not o.startswith(("scenario", "target", "run.", "workload"))]

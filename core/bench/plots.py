@@ -99,9 +99,11 @@ def timeline(results: list[dict], path: Path) -> None:
     axes[2].set_ylabel("requests")
     axes[2].set_xlabel("time since start (s)")
     for ax, title in zip(axes, ("throughput over time", "KV-cache usage over time", "queue length over time")):
-        ax.set_title(title)
+        drawn = bool(ax.get_legend_handles_labels()[0])
+        ax.set_title(title if drawn else f"{title}: not recorded (the engine runs in the server)")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        if drawn:
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)

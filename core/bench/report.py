@@ -149,12 +149,14 @@ def spec_decode_md(spec: dict | None) -> list[str]:
 
 
 def server_metrics_md(metrics: dict | None) -> list[str]:
-    """What the server itself counted per model (warm-ups included), beside the client's records."""
+    """What the server itself counted per model over the run, beside the client's records."""
     if not metrics:
         return []
-    rows = [[m, f"{v['requests']:.0f}", f"{v['generation_tokens']:.0f}"] for m, v in sorted(metrics.items())]
+    rows = [[m, f"{v.get('requests', 0):.0f}", f"{v.get('generation_tokens', 0):.0f}",
+             f"{v['prefix_hits'] / v['prefix_queries'] * 100:.1f} %" if v.get("prefix_queries") else "-"]
+            for m, v in sorted(metrics.items())]
     return ["## What the server counted, per model (its /metrics)", "",
-            _md_table(["model_name", "finished requests", "generated tokens"], rows), ""]
+            _md_table(["model_name", "finished requests", "generated tokens", "prefix-cache hit rate"], rows), ""]
 
 
 def _ratio(a, b) -> str:

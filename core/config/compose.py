@@ -78,3 +78,25 @@ def expand_sweeps(overrides: list[str]) -> tuple[list[str], list[list[str]]]:
         else:
             fixed.append(text)
     return fixed, [list(combo) for combo in itertools.product(*sweeps)] if sweeps else [[]]
+
+
+def is_config_error(e: Exception) -> bool:
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    return isinstance(e, (HydraException, OmegaConfBaseException))
+
+
+def first_line(e: Exception) -> str:
+    """Hydra's message in one line, every available option of a group included."""
+    lines = str(e).splitlines()
+    head = [ln.strip() for ln in lines if ln.strip()][:2]
+    for i, ln in enumerate(lines):
+        if ln.startswith("Available options in"):
+            options = []
+            for opt in lines[i + 1:]:
+                if not opt.startswith((" ", "\t")) or not opt.strip():
+                    break
+                options.append(opt.strip())
+            return f"{head[0]}; {ln.strip()} {', '.join(options)}"
+    return " ".join(head)

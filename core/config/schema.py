@@ -89,6 +89,17 @@ class ParallelConfig:
     distributed_backend: str = "auto"  # auto: gloo on the CPU, nccl on CUDA | gloo | nccl
     master_port: int | None = None  # rank 0's port for the others (engine-started ranks); None: a free one
     timeout_s: float = 60.0  # a collective waiting longer fails (a rank that hangs rather than dies)
+    # data-parallel replicas on Ray Serve (`serve` and `bench` only): core/parallel/ray_serve.py
+    replicas: int = 1  # engines behind one OpenAI ingress (each tensor_parallel_size ranks)
+    ray_address: str | None = None  # an existing cluster (auto, ray://host:10001); None: a local Ray
+    router: str = "prefix"  # prefix | pow2 (Ray's power of two choices) | a RequestRouter class path
+    router_block_chars: int = 256  # prefix: the prompt is matched in blocks of this many characters
+    router_max_imbalance: int = 4  # prefix: the holder is passed over at this many more ongoing requests than the least loaded
+    min_replicas: int | None = None  # autoscaling bounds: set both to let Ray scale between them
+    max_replicas: int | None = None
+    target_ongoing_requests: float = 16.0  # autoscaling: Ray adds a replica above this many per replica
+    max_ongoing_requests: int = 256  # per replica; beyond it Ray routes elsewhere or queues
+    replica_cpus: float | None = None  # Ray CPUs per replica, also its torch threads; None: cores / replicas
 
 
 @dataclass

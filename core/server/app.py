@@ -52,10 +52,8 @@ async def warm_up(e: AsyncEngine) -> None:
             return
 
 
-async def parse(server: Server, request: Request, model: type[BaseModel]):
+def parse_body(server: Server, raw: bytes, model: type[BaseModel]):
     """The body, size-checked, parsed once into its typed model (an OpenAI 400 if it does not fit)."""
-    server.guards.check_body_size(int(request.headers.get("content-length") or 0), server.main)
-    raw = await request.body()
     server.guards.check_body_size(len(raw), server.main)
     try:
         return model.model_validate_json(raw or b"{}")
@@ -69,6 +67,13 @@ async def parse(server: Server, request: Request, model: type[BaseModel]):
         raise OpenAIError(400, f"{where}: {first['msg']}", param=where or None) from None
 
 
+async def start_generation(server: Server, raw: bytes, headers, model: type[BaseModel]):
+    """Parse, check and submit one generation request: (its typed body, the call in flight)."""
+    req = parse_body(server, raw, model)
+    server.observe_load()
+    return req, await server.start_call(req, headers)
+
+
 def openapi_body(model: type[BaseModel]) -> dict:
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": model.model_json_schema()}}},
             "responses": {"400": {"description": "bad request (OpenAI error JSON)"},
@@ -80,9 +85,8 @@ def openapi_body(model: type[BaseModel]) -> dict:
 def add_generation_routes(app: FastAPI, server: Server) -> None:
     async def serve_call(request: Request, model: type[BaseModel]):
         try:
-            req = await parse(server, request, model)
-            server.observe_load()
-            call = await server.start_call(req, request.headers)
+            server.guards.check_body_size(int(request.headers.get("content-length") or 0), server.main)
+            req, call = await start_generation(server, await request.body(), request.headers, model)
             if req.stream:
                 return StreamingResponse(server.stream(call, req.include_usage), media_type="text/event-stream")
             return JSONResponse(await server.complete(call, request.is_disconnected))
@@ -105,9 +109,7 @@ def add_info_routes(app: FastAPI, server: Server) -> None:
             server.guards.check_auth(request.headers, server.main)
         except OpenAIError as e:
             return error(e)
-        return {"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "servelab",
-                                            "max_model_len": e.engine.max_model_len, "root": e.engine.loaded.source}
-                                           for n, e in server.engines.items()]}
+        return server.model_list()
 
     @app.get("/health")
     async def health():

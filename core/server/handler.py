@@ -57,6 +57,12 @@ class Server:
     def engine(self) -> Engine:
         return self.engines[self.main].engine
 
+    def model_list(self) -> dict:
+        """/v1/models: every served model."""
+        return {"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "servelab",
+                                            "max_model_len": e.engine.max_model_len, "root": e.engine.loaded.source}
+                                           for n, e in self.engines.items()]}
+
     def max_input(self, name: str) -> int:
         return self.cfg.max_input_tokens or self.engines[name].engine.max_model_len - 1
 
