@@ -160,6 +160,9 @@ def test_deployment_options_carry_the_router_and_the_autoscaling_bounds():
     assert "num_replicas" not in opts and opts["ray_actor_options"] == {"num_cpus": 0.5, "num_gpus": 0}
     assert opts["request_router_config"] == {"request_router_class": "core.replicas.ray_router.PrefixAffinityRouter",
                                              "request_router_kwargs": {"block_chars": 64, "max_imbalance": 4}}
+    unset = replica_options(_parallel(["parallel.replicas=1", "parallel.min_replicas=1", "parallel.max_replicas=2"]),
+                            cuda=False)  # the cores are shared by as many replicas as Ray may scale up to
+    assert unset["ray_actor_options"]["num_cpus"] == max(1, os.cpu_count() // 2)
     plain = replica_options(_parallel(["parallel.replicas=3", "parallel.router=pow2",
                                        "parallel.tensor_parallel_size=2"]), cuda=True)
     assert plain["num_replicas"] == 3 and "request_router_config" not in plain  # Ray's own power of two choices

@@ -99,7 +99,7 @@ class ParallelConfig:
     max_replicas: int | None = None
     target_ongoing_requests: float = 16.0  # autoscaling: Ray adds a replica above this many per replica
     max_ongoing_requests: int = 256  # per replica; beyond it Ray routes elsewhere or queues
-    replica_cpus: float | None = None  # Ray CPUs per replica, also its torch threads; None: cores / replicas
+    replica_cpus: float | None = None  # Ray CPUs per replica, also its torch threads; None: cores / (max_replicas or replicas)
 
 
 @dataclass

@@ -68,6 +68,8 @@ class ReplicaBoard:
 
 
 def board():
+    """The board, created by the first caller: `serve` itself, before it deploys, so that the board
+    is owned by the process that lives as long as the application (not by a replica that may die)."""
     return ReplicaBoard.options(name=BOARD, namespace=NAMESPACE, get_if_exists=True).remote()
 
 
@@ -81,11 +83,12 @@ class ServelabReplica:
         self.beat = asyncio.get_running_loop().create_task(self._announce())
 
     async def _announce(self) -> None:
+        handle = board()
         while True:
             try:
-                await board().register.remote(self.id, self.info)
-            except RayError:  # the board's owner (the ingress) is being replaced: try again
-                pass
+                await handle.register.remote(self.id, self.info)
+            except RayError:  # the board is gone (its owner, `serve`, restarted it): look it up again
+                handle = board()
             await asyncio.sleep(1.0)
 
     async def call(self, req: RoutedRequest):

@@ -64,7 +64,9 @@ def require_ray(pc: ParallelConfig) -> None:
 
 
 def replica_cpus(pc: ParallelConfig) -> float:
-    return pc.replica_cpus or max(1, (os.cpu_count() or 1) // pc.replicas)
+    """Ray CPUs per replica: as set, or this machine's cores shared by as many replicas as there may be
+    (the autoscaling ceiling too, or Ray could never place the replicas it scales up to)."""
+    return pc.replica_cpus or max(1, (os.cpu_count() or 1) // (pc.max_replicas or pc.replicas))
 
 
 def replica_options(pc: ParallelConfig, cuda: bool) -> dict:
@@ -111,6 +113,7 @@ def serve_replicas(cfg: DictConfig, overrides: list[str]) -> int:
     import ray
     from ray import serve
 
+    from core.replicas.ray_app import board
     from core.server.config import ServerConfig
 
     pc = section(ParallelConfig, cfg.get("parallel"), "parallel")
@@ -122,6 +125,7 @@ def serve_replicas(cfg: DictConfig, overrides: list[str]) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
+    owned = board()  # noqa: F841 (held: the board lives as long as this process)
     try:
         serve.start(http_options={"host": sc.host, "port": sc.port},
                     logging_config={"log_level": "WARNING", "enable_access_log": False})
