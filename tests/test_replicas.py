@@ -119,6 +119,26 @@ def test_bench_reads_totals_and_replicas_apart():
     before = {"m": {"requests": 2.0, "prefix_hits": 5.0}}
     assert server_state.difference(models, before) == {"m": {"requests": 6.0, "prefix_hits": 35.0}}
     assert server_state.hit_rate({"prefix_queries": 80.0, "prefix_hits": 20.0})["hit_rate"] == 0.25
+    first = ReplicaMetrics()
+    first.update({"r1": _replica_text(1, 2, 0.2, [])})
+    counted, prefix = server_state.run_counts(first.render(), m.render())
+    assert counted == {"m": {"requests": 7.0, "prefix_hits": 38.0}} and prefix is None  # no lookups reported
+
+
+def test_bench_describes_the_replicas_and_the_kill_it_injected():
+    m = ReplicaMetrics()
+    m.update({"r2": _replica_text(5, 30, 0.6, []), "r3": _replica_text(1, 0, 0.1, [])})
+    text = m.render() + 'servelab:replica_failures_total{stage="mid_stream"} 2.0\n'
+    killer = server_state.ReplicaKiller("http://unused", 3600)  # never started: the kill is described, not done
+    killer.event = {"replica": "r1", "pid": 123, "at": 1000.0}
+    at_start = {"router": "prefix", "started": 2, "replicas": [{"id": "r1", "since": 900.0}, {"id": "r2", "since": 901.0}]}
+    at_end = {"router": "prefix", "started": 3, "replicas": [{"id": "r2", "since": 901.0}, {"id": "r3", "since": 1009.5}]}
+    seen = server_state.replicas_seen(at_start, at_end, text, killer)
+    assert seen["at_start"] == ["r1", "r2"] and seen["at_end"] == ["r2", "r3"] and seen["started"] == 3
+    assert seen["failures"] == {"mid_stream": 2.0}
+    assert seen["kill"] == {"replica": "r1", "pid": 123, "at": 1000.0, "replacement": "r3", "replaced_after_s": 9.5}
+    assert seen["per_replica"]["r2"] == {"requests": 5.0, "prefix_hits": 30.0, "queries": 0.0, "hits": 30.0,
+                                         "hit_rate": 0.0}
 
 
 @pytest.mark.parametrize("overrides, message", [

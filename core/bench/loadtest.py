@@ -197,31 +197,22 @@ def bench_target(cfg: DictConfig, overrides: list[str], workload, spec: dict, ou
     try:
         _wait_ready(url, server)
         spec = {**spec, "model": tc.model or _served_model(url, tc.api_key)}
-        before, listed = server_state.scrape(url, tc.api_key), server_state.listing(url)
+        before, listed = server_state.scrape(url), server_state.listing(url)
         killer = server_state.ReplicaKiller(url, tc.kill_replica_after_s).start() if tc.kill_replica_after_s else None
         stages, results = _stages(sc), []
+        prefix = re.sub(r"\W+", "_", label).strip("_") + "-" if label else ""
         for users, rate in stages:
-            tag = (re.sub(r"\W+", "_", label).strip("_") + "-" if label else "") + f"u{users}" + (f"-r{rate:g}" if sc.ramp_rates else "")
+            tag = prefix + f"u{users}" + (f"-r{rate:g}" if sc.ramp_rates else "")
             records, wall = run_locust({**spec, "rate_per_user": rate}, url, users, max(sc.spawn_rate, users),
                                        sc.stage_s if len(stages) > 1 else sc.duration_s, out, tag, tc.workers)
             results.append(_stage_result(cfg, sc, rc, wc, url, workload, users, rate, records, wall))
-        after = server_state.scrape(url, tc.api_key)
-        models, per_replica = server_state.parse(after)
-        last = results[-1]
-        last["server_metrics"] = server_state.difference(models, server_state.parse(before)[0])  # this run's share only
-        totals: dict[str, float] = {}
-        for counts in last["server_metrics"].values():
-            for k, v in counts.items():
-                totals[k] = totals.get(k, 0.0) + v
-        if totals.get("prefix_queries"):
-            last["summary"]["prefix_cache"] = server_state.hit_rate(totals)
+        after, last = server_state.scrape(url), results[-1]
+        last["server_metrics"], prefix_cache = server_state.run_counts(before, after)  # this run's share only
+        if prefix_cache:
+            last["summary"]["prefix_cache"] = prefix_cache
         if listed is not None:
-            now = server_state.listing(url)
-            last["replicas"] = {"router": listed["router"], "at_start": [r["id"] for r in listed["replicas"]],
-                                "at_end": [r["id"] for r in now["replicas"]] if now else [],
-                                "started": now["started"] if now else None, "failures": server_state.failures(after),
-                                "per_replica": {rid: {**c, **server_state.hit_rate(c)} for rid, c in per_replica.items()},
-                                "kill": killer.outcome(now) if killer else None}
+            now = killer.await_replacement(len(listed["replicas"])) if killer else server_state.listing(url)
+            last["replicas"] = server_state.replicas_seen(listed, now, after, killer)
         if label:
             for r in results:
                 r["label"] = label

@@ -39,9 +39,9 @@ def replicas_md(r: dict) -> list[str]:
              f"started in all: {rep['started']}"]
     kill = rep.get("kill")
     if kill and "at" in kill:
-        after = f"{kill['replaced_after_s']:.1f} s later" if kill.get("replaced_after_s") is not None else "not replaced"
-        lines.append(f"- killed: replica {kill['replica']} (pid {kill['pid']}, SIGKILL); Ray's replacement "
-                     f"{kill.get('replacement') or '-'} announced itself {after}")
+        replaced = (f"Ray's replacement {kill['replacement']} announced itself {kill['replaced_after_s']:.1f} s later"
+                    if kill.get("replacement") else "no replacement announced itself within 120 s of the run's end")
+        lines.append(f"- killed: replica {kill['replica']} (pid {kill['pid']}, SIGKILL); {replaced}")
     elif kill:
         lines.append(f"- kill not done: {kill.get('error')}")
     fails = rep.get("failures") or {}

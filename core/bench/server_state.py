@@ -16,7 +16,7 @@ SERIES = {"request_success_total": "requests", "generation_tokens_total": "gener
 _LINE = re.compile(r"^(?:servelab|vllm):(" + "|".join(SERIES) + r")\{([^}]*)\} ([0-9.e+-]+)$", re.M)
 
 
-def scrape(url: str, api_key: str | None = None) -> str:
+def scrape(url: str) -> str:
     import httpx
 
     try:
@@ -45,6 +45,27 @@ def hit_rate(counts: dict) -> dict:
 
 def difference(after: dict, before: dict) -> dict:
     return {m: {k: v - before.get(m, {}).get(k, 0.0) for k, v in c.items()} for m, c in after.items()}
+
+
+def run_counts(before: str, after: str) -> tuple[dict, dict | None]:
+    """What the server counted between two scrapes, per model, and the prefix-cache hit rate of all
+    its models together (None if it reports no prefix-cache lookups)."""
+    counted = difference(parse(after)[0], parse(before)[0])
+    totals: dict[str, float] = {}
+    for counts in counted.values():
+        for k, v in counts.items():
+            totals[k] = totals.get(k, 0.0) + v
+    return counted, hit_rate(totals) if totals.get("prefix_queries") else None
+
+
+def replicas_seen(at_start: dict, at_end: dict | None, after: str, killer: ReplicaKiller | None) -> dict:
+    """The replicas over a run: who was there at its start and end, how many were ever started, what
+    failed because a replica died, each replica's counts, and the kill if one was injected."""
+    return {"router": at_start["router"], "at_start": [r["id"] for r in at_start["replicas"]],
+            "at_end": [r["id"] for r in at_end["replicas"]] if at_end else [],
+            "started": at_end["started"] if at_end else None, "failures": failures(after),
+            "per_replica": {rid: {**c, **hit_rate(c)} for rid, c in parse(after)[1].items()},
+            "kill": killer.outcome(at_end) if killer else None}
 
 
 def failures(text: str) -> dict[str, float]:
@@ -88,6 +109,16 @@ class ReplicaKiller:
             return
         os.kill(victim["pid"], signal.SIGKILL)
         self.event = {"replica": victim["id"], "pid": victim["pid"], "at": time.time()}
+
+    def await_replacement(self, expected: int, timeout_s: float = 120.0) -> dict | None:
+        """After the run: the listing once the server is back to `expected` replicas (Ray restarts
+        the killed one), or the last listing when it is not within `timeout_s`."""
+        end = time.monotonic() + timeout_s
+        while True:
+            listed = listing(self.url)
+            if not self.event.get("at") or (listed and len(listed["replicas"]) >= expected) or time.monotonic() > end:
+                return listed
+            time.sleep(0.5)
 
     def outcome(self, after: dict | None) -> dict:
         """The kill and its replacement: the replica that appeared after it and how long that took."""
