@@ -238,13 +238,13 @@ def run_bench(cfg: DictConfig, overrides: list[str], variants: list[list[str]] |
     out.mkdir(parents=True, exist_ok=True)
     spec = _spec(sc, tc, rc, wc, workload, tokenizer)
     if variants:
-        for var in variants:  # every variant composes before the first server starts
-            check_before_loading("bench", compose(overrides + var))
+        cfgs = [compose(overrides + var) for var in variants]
+        for vcfg in cfgs:  # every variant checked before the first server starts
+            check_before_loading("bench", vcfg)
         results = []
-        for i, var in enumerate(variants):
+        for i, (var, vcfg) in enumerate(zip(variants, cfgs)):
             label = labels[i] if labels and i < len(labels) else " ".join(var)
             print(f"[{i + 1}/{len(variants)}] {label}")
-            vcfg = compose(overrides + var)
             results += bench_target(vcfg, engine_overrides(overrides + var), workload, spec, out, label)
         replica_report.write_bench_comparison(results, name, rc)
     else:

@@ -89,7 +89,7 @@ class ParallelConfig:
     distributed_backend: str = "auto"  # auto: gloo on the CPU, nccl on CUDA | gloo | nccl
     master_port: int | None = None  # rank 0's port for the others (engine-started ranks); None: a free one
     timeout_s: float = 60.0  # a collective waiting longer fails (a rank that hangs rather than dies)
-    # data-parallel replicas on Ray Serve (`serve` and `bench` only): core/parallel/ray_serve.py
+    # data-parallel replicas on Ray Serve (`serve` and `bench` only): core/replicas/ray_serve.py
     replicas: int = 1  # engines behind one OpenAI ingress (each tensor_parallel_size ranks)
     ray_address: str | None = None  # an existing cluster (auto, ray://host:10001); None: a local Ray
     router: str = "prefix"  # prefix | pow2 (Ray's power of two choices) | a RequestRouter class path

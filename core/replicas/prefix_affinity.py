@@ -59,14 +59,11 @@ class PrefixAffinity:
 
     def rank(self, key: str, load: dict[Hashable, int]) -> list[Hashable]:
         """Every replica of `load` (replica -> ongoing requests), best first."""
-        holder, by_load = self._choice(key, load)
-        return [holder] + [r for r in by_load if r != holder] if holder is not None else by_load
+        return ranked(*self.choose(key, load))
 
-    def holder(self, key: str, load: dict[Hashable, int]) -> Hashable | None:
-        """The replica holding the request's prefix, if it is not too busy to take it."""
-        return self._choice(key, load)[0]
-
-    def _choice(self, key: str, load: dict[Hashable, int]) -> tuple[Hashable | None, list[Hashable]]:
+    def choose(self, key: str, load: dict[Hashable, int]) -> tuple[Hashable | None, list[Hashable]]:
+        """(the replica holding the request's prefix if it is not too busy to take it, else None;
+        every replica by load, ties to the longer match, then to fewer blocks held)."""
         if not load:
             return None, []
         matches = self.matches(key, list(load))
@@ -111,3 +108,8 @@ class PrefixAffinity:
             if not self._index[b]:
                 del self._index[b]
         self._held.pop(replica, None)
+
+
+def ranked(holder: Hashable | None, by_load: list[Hashable]) -> list[Hashable]:
+    """The holder first (if any), then the rest by load."""
+    return [holder] + [r for r in by_load if r != holder] if holder is not None else by_load

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from core.replicas.prefix_affinity import PrefixAffinity
+from core.replicas.prefix_affinity import PrefixAffinity, ranked
 
 HOLDER_TRIES = 3
 
@@ -38,18 +38,18 @@ class PrefixAffinityRouter(RequestRouter):
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         by_id = {r.replica_id: r for r in candidate_replicas}
         key, load = request_key(pending_request), {rid: self._load(r) for rid, r in by_id.items()}
+        holder, by_load = self.policy.choose(key, load)
         if pending_request is None:
-            return [[by_id[rid]] for rid in self.policy.rank(key, load)]
+            return [[by_id[rid]] for rid in ranked(holder, by_load)]
         ctx = pending_request.routing_context
         ctx.should_backoff = True  # back off (and wait longer for probes) between tries
         ctx.servelab_tries = getattr(ctx, "servelab_tries", 0) + 1  # the context is this request's own
-        holder = self.policy.holder(key, load)
         if holder is not None and ctx.servelab_tries <= HOLDER_TRIES:
             return [[by_id[holder]]]
-        ranked = self.policy.rank(key, load)
+        order = ranked(holder, by_load)
         if ctx.servelab_tries == 1:  # claim the prefix now: requests sharing it that are routed while this
-            self.policy.record(key, ranked[0])  # one waits for its probe must follow it, not split
-        return [[by_id[rid]] for rid in ranked]
+            self.policy.record(key, order[0])  # one waits for its probe must follow it, not split
+        return [[by_id[rid]] for rid in order]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result) -> None:
         self.policy.record(request_key(pending_request), replica_id)

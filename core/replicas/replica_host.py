@@ -16,8 +16,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from core.config.schema import section
 from core.engine.engine import Engine
-from core.server import protocol
-from core.server.app import engine_configs, start_generation, warm_up
+from core.server.app import engine_configs, start_engines, start_generation
 from core.server.config import ServerConfig
 from core.server.guards import OpenAIError
 from core.server.handler import Server
@@ -51,14 +50,9 @@ class ReplicaHost:
         cfg = OmegaConf.create(cfg)
         sc = section(ServerConfig, cfg.get("server"), "server")
         server = Server({n: Engine(ec) for n, ec in engine_configs(cfg, overrides, sc).items()}, sc)
-        loop = asyncio.get_running_loop()
-        for e in server.engines.values():
-            e.start(loop)
-            if sc.warmup:
-                await warm_up(e)
-        server.ready = True
+        await start_engines(server)
         registry = CollectorRegistry(auto_describe=False)
-        registry.register(_Live(server, loop))
+        registry.register(_Live(server, asyncio.get_running_loop()))
         http, _ = start_http_server(0, addr=host, registry=registry)
         return cls(server, f"http://{host}:{http.server_port}/metrics", http)
 
@@ -73,16 +67,16 @@ class ReplicaHost:
                 yield 200, await self.server.complete(call, None), {}, False
                 return
         except OpenAIError as e:
-            yield e.status, protocol.error_body(e.message, e.kind, e.param, e.code), e.headers or {}, False
+            yield e.status, e.body(), e.headers, False
             return
         yield 200, None, {}, True
         async for chunk in self.server.stream(call, req.include_usage):
             yield chunk
 
     def check_health(self) -> None:
-        failed = [f"{n}: {e.error}" for n, e in self.server.engines.items() if e.error is not None]
+        failed = self.server.failed_engines()
         if failed:
-            raise RuntimeError("engine failed: " + "; ".join(failed))
+            raise RuntimeError("engine failed: " + "; ".join(f"{n}: {err}" for n, err in failed.items()))
 
     def close(self) -> None:
         self._http.shutdown()

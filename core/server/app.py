@@ -26,7 +26,6 @@ from core.engine.async_engine import AsyncEngine
 from core.engine.components import engine_config, require_shedding, resolve_device
 from core.engine.engine import Engine
 from core.engine.types import SamplingParams
-from core.server import protocol
 from core.server.config import ServerConfig, validate
 from core.server.guards import OpenAIError
 from core.server.handler import Server
@@ -36,8 +35,7 @@ log = logging.getLogger("servelab")
 
 
 def error(e: OpenAIError) -> JSONResponse:
-    return JSONResponse(protocol.error_body(e.message, e.kind, e.param, e.code), status_code=e.status,
-                        headers=e.headers)
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
 async def warm_up(e: AsyncEngine) -> None:
@@ -50,6 +48,15 @@ async def warm_up(e: AsyncEngine) -> None:
         _, out = await q.get()
         if out is None or out.finished:
             return
+
+
+async def start_engines(server: Server) -> None:
+    """Every engine's loop on this event loop, each warmed up (if configured); then /ready says yes."""
+    for e in server.engines.values():
+        e.start(asyncio.get_running_loop())
+        if server.cfg.warmup:
+            await warm_up(e)
+    server.ready = True
 
 
 def parse_body(server: Server, raw: bytes, model: type[BaseModel]):
@@ -113,7 +120,7 @@ def add_info_routes(app: FastAPI, server: Server) -> None:
 
     @app.get("/health")
     async def health():
-        failed = {n: str(e.error) for n, e in server.engines.items() if e.error is not None}
+        failed = server.failed_engines()
         if failed:
             return JSONResponse({"status": "error", "error": failed}, status_code=500)
         return {"status": "ok"}
@@ -132,11 +139,7 @@ def add_info_routes(app: FastAPI, server: Server) -> None:
 def build_app(server: Server) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        for e in server.engines.values():
-            e.start(asyncio.get_running_loop())
-            if server.cfg.warmup:
-                await warm_up(e)
-        server.ready = True
+        await start_engines(server)
         yield
         for e in server.engines.values():
             e.stop()

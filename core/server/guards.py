@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 
+from core.server import protocol
 from core.server.config import ServerConfig
 from core.server.metrics import ServerMetrics
 
@@ -17,6 +18,10 @@ class OpenAIError(Exception):
         super().__init__(message)
         self.status, self.message, self.kind, self.param, self.headers = status, message, kind, param, headers or {}
         self.code = status if code is None else code  # OpenAI's `code`: e.g. model_not_found
+
+    def body(self) -> dict:
+        """The OpenAI error JSON."""
+        return protocol.error_body(self.message, self.kind, self.param, self.code)
 
 
 class Degradation:

@@ -57,6 +57,10 @@ class Server:
     def engine(self) -> Engine:
         return self.engines[self.main].engine
 
+    def failed_engines(self) -> dict[str, str]:
+        """Served name -> the error that stopped its engine, for every engine that stopped."""
+        return {n: str(e.error) for n, e in self.engines.items() if e.error is not None}
+
     def model_list(self) -> dict:
         """/v1/models: every served model."""
         return {"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "servelab",
