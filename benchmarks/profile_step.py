@@ -47,9 +47,10 @@ def instrument(engine) -> None:
             mod = getattr(layer, attr)
             mod.forward = _ranged(mod.forward, name)
         attn = layer.self_attn
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            m = getattr(attn, proj)
-            m.forward = _ranged(m.forward, "qkv/o projections")
+        for proj in ("qkv_proj", "q_proj", "k_proj", "v_proj", "o_proj"):  # q/k/v fused by core.model.fuse or not
+            m = getattr(attn, proj, None)
+            if m is not None:
+                m.forward = _ranged(m.forward, "qkv/o projections")
     model.compute_logits = _ranged(model.compute_logits, "lm_head (sampled rows)")
 
 

@@ -128,14 +128,17 @@ def main(argv=None) -> int:
     lines = [f"# servelab beside llama.cpp\n\n- machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}; "
              f"{args.threads} threads each\n- model: the same file, `{gguf.name}`\n"
              f"- made by `python -m benchmarks.vs_llama_cpp` (llama.cpp from `bash benchmarks/llama_cpp_build.sh`)\n",
-             "## Batch-1 decode\n", "| engine | tok/s (median) | range |", "|---|---|---|"]
+             "## Batch-1 decode\n", "| engine | tok/s (median) | range | vs llama.cpp |", "|---|---|---|---|"]
+    peer = result["batch1"]["llama.cpp (llama-bench tg128)"]["tok_s"]
     for name, r in result["batch1"].items():
         spread = f"± {r['stddev']:.1f} (stddev)" if "stddev" in r else f"{r['min']:.1f} - {r['max']:.1f}"
-        lines.append(f"| {name} | {r['tok_s']:.1f} | {spread} |")
+        lines.append(f"| {name} | {r['tok_s']:.1f} | {spread} | {r['tok_s'] / peer:.2f}x |")
     lines += [f"\n## {args.streams} streams back to back, {args.prompt} in / {args.output} out, {args.requests} requests\n",
-              "| engine | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) | TPOT p50 (ms) | output tok/s | failures |",
-              "|---|---|---|---|---|---|"]
-    lines += [row(name, s) for name, s in result["load"].items()]
+              "| engine | TTFT p50 / p99 (s) | ITL p50 / p99 (ms) | TPOT p50 (ms) | output tok/s | failures | "
+              "TTFT p50, output tok/s vs llama-server |", "|---|---|---|---|---|---|---|"]
+    server = result["load"][f"llama-server -np {args.streams}"]
+    lines += [row(name, s) + f" {server['ttft_s']['p50'] / s['ttft_s']['p50']:.2f}x better, "
+              f"{s['output_tok_s'] / server['output_tok_s']:.2f}x |" for name, s in result["load"].items()]
     (args.out / "report.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

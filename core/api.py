@@ -51,6 +51,7 @@ from core.engine.types import (
 )
 from core.errors import ConfigError, ModelNotFoundError, RequestError, ServelabError
 from core.model.calibration import calibration_prompts
+from core.model.fuse import fuse_projections
 from core.model.gguf import PERMUTED_ARCHS, gguf_to_hf_name, unpermute_qk
 from core.model.llama import ForwardContext
 from core.model.loader import DTYPES, load_model
@@ -76,7 +77,7 @@ __all__ = [
     "calibration_prompts", "capture_linear_inputs", "quantize_tied_embedding", "swap_linears",
     "PERMUTED_ARCHS", "gguf_to_hf_name", "unpermute_qk",
     # a second model beside the engine's (speculative drafts): its forward, inputs and weights
-    "ForwardContext", "ModelRunner", "load_model", "load_weights",
+    "ForwardContext", "ModelRunner", "fuse_projections", "load_model", "load_weights",
     # the simulator's hardware profiles and step-time roofline
     "HardwareProfile", "StepTime", "StepTimeModel", "weight_bytes_per_param",
     # errors

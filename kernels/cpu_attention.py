@@ -13,51 +13,18 @@ it built, and the torch reference serves where it did not.
 
 from __future__ import annotations
 
-import hashlib
-import logging
-import os
-import platform
-from pathlib import Path
-
-import torch
-
-log = logging.getLogger("servelab")
-
-_SOURCE_FILE = Path(__file__).parent / "csrc" / "cpu_attention.cpp"
-
-_modules: dict[bool, object] = {}
-_failed = False
-
-
-def _cpu_flags() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
+from kernels.cpp_build import build
 
 
 def load(portable: bool = False):
     """The compiled module (built on first use, then cached per machine), or None if it cannot build.
     `portable`: without the AVX-512 code, as machines without it build it (for tests)."""
-    global _failed
-    if portable in _modules or _failed or os.environ.get("SERVELAB_NO_CPP") == "1":
-        return _modules.get(portable)
-    from torch.utils.cpp_extension import load_inline
+    return build("cpu_attention", portable, functions=["paged_decode", "write_kv", "write_and_decode"])
 
-    source = _SOURCE_FILE.read_text()
-    key = hashlib.sha1((source + _cpu_flags() + torch.__version__ + str(portable)).encode()).hexdigest()[:12]
-    try:
-        _modules[portable] = load_inline(
-            name=f"servelab_cpu_attention_{key}", cpp_sources=[source], functions=["paged_decode"],
-            extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"] + (["-DSERVELAB_PORTABLE"] if portable else []),
-            extra_ldflags=["-fopenmp"], verbose=False)
-    except Exception as e:  # no compiler, no headers: the torch reference serves
-        _failed = True
-        log.warning("the C++ decode attention did not build (%s); using the torch reference", str(e).splitlines()[0])
-    return _modules.get(portable)
+
+def write_kv(k, v, k_cache, v_cache, slot_mapping, portable=False) -> None:
+    """kernels.attention.write_kv for bf16 and fp32 caches."""
+    load(portable).write_kv(k, v, k_cache, v_cache, slot_mapping)
 
 
 def available() -> bool:

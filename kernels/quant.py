@@ -1,9 +1,10 @@
 """Weight-only quantized linear layers: INT8 per output channel, INT4 group-wise asymmetric.
 
-Each matmul has fast paths (on the CPU PyTorch's packed kernels `_weight_int8pack_mm` and
-`_weight_int4pack_mm_for_cpu`, which want bf16 activations; on CUDA the Triton kernels of
-kernels.triton_quant, which dequantize inside the matmul) and a torch reference twin that
-dequantizes and multiplies; tests hold them together.
+Each matmul has fast paths (on the CPU the C++ kernels of kernels.cpu_quant for steps of few
+rows, a bf16 GEMM over the weight dequantized per call for many rows, and PyTorch's packed
+`_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu` where the C++ kernels did not build; on
+CUDA the Triton kernels of kernels.triton_quant, which dequantize inside the matmul) and a torch
+reference twin that dequantizes and multiplies; tests hold them together.
 
 INT4 follows the packed kernel's convention: q in 0..15 per weight, per (group, output channel)
 a scale and a zero, w = (q - 8) * scale + zero.
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import cpu_quant
 from kernels.dispatch import use_triton
 
 INT4_INNER_K_TILES = 2  # the CPU packer's tiling: K must be a multiple of 16 * this
@@ -54,6 +56,9 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch
 
         return triton_int8_matmul(x, q, scales)
     if x.device.type == "cpu":
+        fast = cpu_quant.ops() if q.shape[1] % cpu_quant.GROUP == 0 else None
+        if fast is not None:  # both paths in one op: no branch on the rows in a compiled graph
+            return fast.q8_matmul(x.to(torch.bfloat16), q, scales, INT8_DEQUANT_ROWS).to(x.dtype)
         xb, sb = x.to(torch.bfloat16), scales.to(torch.bfloat16)
         if x.shape[0] > INT8_DEQUANT_ROWS:
             return F.linear(xb, q.to(torch.bfloat16) * sb[:, None]).to(x.dtype)
@@ -113,6 +118,16 @@ class Int8Linear(nn.Module):
         q, s = quantize_int8(lin.weight.data, getattr(lin, "row_absmax", None))
         return cls(q, s, None if lin.bias is None else lin.bias.data, fast)
 
+    @classmethod
+    def concat(cls, mods: list[Int8Linear]) -> Int8Linear | None:
+        """One layer whose outputs are the `mods`' side by side (core.model.fuse), or None."""
+        if len({(m.in_features, m.fast, m.scales.dtype) for m in mods}) != 1:
+            return None
+        bias = None if mods[0].bias is None else torch.cat([m.bias.data for m in mods])
+        out = cls(torch.cat([m.weight_q for m in mods]), torch.cat([m.scales for m in mods]), bias, mods[0].fast)
+        out.scales = torch.cat([m.scales for m in mods])  # as stored (the constructor would round fp32 again)
+        return out
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
@@ -138,7 +153,14 @@ class Int4Linear(nn.Module):
         self.group_size, self.in_features, self.out_features = group_size, in_features, q.shape[0]
         self.padded_in = q.shape[1]
         self.layout = "unpacked" if not fast else ("nibbles" if use_triton(q) else "cpu_packed")
-        if self.layout == "cpu_packed":
+        if self.layout == "cpu_packed" and group_size % cpu_quant.GROUP == 0 and cpu_quant.available():
+            self.layout = "cpu_q4"
+            q, d, m = cpu_quant.q4_1_groups(q, scales, zeros, group_size)
+            self.padded_in = q.shape[1]
+            nibbles, dm = cpu_quant.pack_q4(q, d, m)
+            self.register_buffer("weight_packed", nibbles)
+            self.register_buffer("dm", dm)
+        elif self.layout == "cpu_packed":
             # the packer wants N a multiple of 16: pad with rows that dequantize to zero
             n_pad = -self.out_features % 16
             if n_pad:
@@ -174,7 +196,29 @@ class Int4Linear(nn.Module):
         q, s, z = quantize_int4(scaled, group_size)
         return cls(q, s, z, group_size, k, bias, input_scale, fast)
 
+    @classmethod
+    def concat(cls, mods: list[Int4Linear]) -> Int4Linear | None:
+        """One layer whose outputs are the `mods`' side by side (core.model.fuse), or None: only the
+        C++ kernel's layout, whose rows are independent, concatenates."""
+        first = mods[0]
+        if any(m.layout != "cpu_q4" or m.input_scale is not None for m in mods) or len(
+                {(m.group_size, m.in_features, m.padded_in) for m in mods}) != 1:
+            return None
+        out = cls.__new__(cls)
+        nn.Module.__init__(out)
+        out.group_size, out.in_features, out.padded_in, out.layout = (first.group_size, first.in_features,
+                                                                      first.padded_in, first.layout)
+        out.out_features = sum(m.out_features for m in mods)
+        out.register_buffer("weight_packed", torch.cat([m.weight_packed for m in mods]))
+        out.register_buffer("dm", torch.cat([m.dm for m in mods]))
+        out.bias = None if first.bias is None else nn.Parameter(torch.cat([m.bias.data for m in mods]),
+                                                                requires_grad=False)
+        out.register_buffer("input_scale", None)
+        return out
+
     def _unpacked(self) -> torch.Tensor:
+        if self.layout == "cpu_q4":
+            return cpu_quant.unpack_q4(self.weight_packed, self.dm)[0].int()
         if self.layout == "unpacked":
             return self.weight_q.int()
         if self.layout == "nibbles":
@@ -183,7 +227,12 @@ class Int4Linear(nn.Module):
         raise RuntimeError("the CPU kernel's packed layout is not unpacked; quantize with fast=False for the reference")
 
     def dequantized_weight(self) -> torch.Tensor:
-        w = dequantize_int4(self._unpacked(), self.scales, self.zeros, self.group_size)[:, : self.in_features]
+        if self.layout == "cpu_q4":
+            q, d, m = cpu_quant.unpack_q4(self.weight_packed, self.dm)
+            w = (q.float() * d.repeat_interleave(cpu_quant.GROUP, 1) + m.repeat_interleave(cpu_quant.GROUP, 1))
+            w = w[:, : self.in_features]
+        else:
+            w = dequantize_int4(self._unpacked(), self.scales, self.zeros, self.group_size)[:, : self.in_features]
         return w / self.input_scale.float()[None, :] if self.input_scale is not None else w
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -193,7 +242,9 @@ class Int4Linear(nn.Module):
             x2 = x2 / self.input_scale.to(x2.dtype)
         if self.padded_in != self.in_features:
             x2 = F.pad(x2, (0, self.padded_in - self.in_features))
-        if self.layout == "cpu_packed" and x2.device.type == "cpu":
+        if self.layout == "cpu_q4" and x2.device.type == "cpu":
+            y = cpu_quant.q4_matmul(x2, self.weight_packed, self.dm).to(x.dtype)
+        elif self.layout == "cpu_packed" and x2.device.type == "cpu":
             y = int4_matmul(x2, self.weight_packed, self.scales_and_zeros, self.group_size)[:, : self.out_features]
             y = y.to(x.dtype)
         elif self.layout == "nibbles":

@@ -30,8 +30,8 @@ def test_a_dummy_model_serves_at_its_shape_with_the_embedded_tokenizer():
                    "cache.memory_gb=0.01", "model.shape={" + ",".join(f"{k}:{v}" for k, v in TINY_SHAPE.items()) + "}"])
     e = Engine(engine_config(cfg))
     assert e.loaded.source == "dummy:tiny-dummy" and e.tokenizer.vocab_size == 49152
-    w = e.model.model.layers[1].mlp.up_proj.weight
-    assert w.shape == (128, 64) and w.dtype == torch.float32 and 0 < w.abs().max() <= 1e-3
+    w = e.model.model.layers[1].mlp.gate_up_proj.inner.weight  # gate and up, fused (core.model.fuse)
+    assert w.shape == (256, 64) and w.dtype == torch.float32 and 0 < w.abs().max() <= 1e-3
     assert torch.equal(e.model.model.norm.weight, torch.ones(64))
     out = e.generate(["Hello there"], SamplingParams(max_tokens=5, ignore_eos=True))[0].outputs[0]
     assert len(out.token_ids) == 5 and all(0 <= t < 49152 for t in out.token_ids)

@@ -10,6 +10,7 @@ from core.config import QuantConfig
 from core.engine.engine import Engine
 from core.engine.types import SamplingParams
 from core.model.quantize import swap_linears
+from kernels.cpu_quant import q8_linear_ref
 from kernels.quant import (
     Int4Linear,
     Int8Linear,
@@ -52,7 +53,9 @@ def test_int8_fast_kernel_matches_reference(rows):
     w = torch.randn(96, 64, generator=g)
     q, s = quantize_int8(w)
     x = torch.randn(rows, 64, generator=g).bfloat16()
-    torch.testing.assert_close(int8_matmul(x, q, s).float(), int8_matmul_ref(x, q, s).float(), atol=0.05, rtol=0.02)
+    # few rows: the C++ kernel, which also rounds the activations to int8 per 32 (its twin does too)
+    ref = q8_linear_ref(x, q, s) if rows == 5 else int8_matmul_ref(x, q, s)
+    torch.testing.assert_close(int8_matmul(x, q, s).float(), ref.float(), atol=0.05, rtol=0.02)
 
 
 @pytest.mark.parametrize("n, k, group", [(64, 128, 32), (24, 100, 32), (16, 200, 64), (40, 576, 128), (13, 70, 32)])
@@ -65,7 +68,7 @@ def test_int4_module_matches_dequantized_reference_on_odd_shapes(n, k, group):
     expect = x.float() @ ref.dequantized_weight().T + bias
     torch.testing.assert_close(ref(x).float(), expect, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(fast(x.bfloat16()).float(), expect, atol=0.15, rtol=0.05)
-    assert fast.layout == "cpu_packed"  # odd N and K are padded for the packed kernel
+    assert fast.layout == "cpu_q4"  # odd N and K are padded for the C++ kernel
 
 
 def test_awq_beats_round_to_nearest_when_activations_have_outliers():
@@ -109,7 +112,9 @@ def test_engine_serves_quantized_tiny_model(tiny_dirs, quant):
     cfg.quant = Int4QuantConfig(name=quant, group_size=32) if quant == "int4" else QuantConfig(name=quant)
     e = Engine(cfg)
     linears = [n for n, m in e.model.named_modules() if isinstance(m, (Int8Linear, Int4Linear))]
-    assert len(linears) == 2 * 7 + 1 and "lm_head" in linears
+    # 7 quantized linears a layer, q/k/v and gate/up then fused into one each (core.model.fuse)
+    assert len(linears) == 2 * 4 + 1 and "lm_head" in linears and e.model.fused_projections == 4
+    assert "model.layers.1.self_attn.qkv_proj.inner" in linears and "model.layers.1.mlp.gate_up_proj.inner" in linears
     out = e.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=6, ignore_eos=True))[0].outputs[0]
     assert len(out.token_ids) == 6
 

@@ -119,11 +119,14 @@ def test_quantized_weight_bytes_and_gguf_blocks(engine):
 
     bf16 = weight_bytes(build("none").model)
     assert weight_bytes(build("int8").model) <= 0.55 * bf16
-    assert weight_bytes(build("int4").model) <= 0.35 * bf16
+    # INT4 linears take 0.625 bytes a weight (a float16 scale and offset per 32); with the tied
+    # embedding's own INT4 copy the model is about 0.38x bf16
+    assert weight_bytes(build("int4").model) <= 0.40 * bf16
     gguf = build("gguf", fast=False)
     layer = gguf.model.model.layers[3].self_attn.q_proj  # Q4_1 rows, un-permuted
     assert isinstance(layer, Int4Linear) and layer.group_size == 32
-    float_weight = engine.loaded.model.model.layers[3].self_attn.q_proj.weight  # the loader's dequantized fp32
+    attn = engine.loaded.model.model.layers[3].self_attn  # the loader's dequantized fp32, q/k/v fused
+    float_weight = attn.qkv_proj.inner.weight[: attn.num_heads * attn.head_dim]
     torch.testing.assert_close(layer.dequantized_weight(), float_weight.float(), atol=1e-5, rtol=1e-5)
     out = gguf.generate(["The capital of France is"], SamplingParams(max_tokens=4))[0].outputs[0].text
     assert "Paris" in out

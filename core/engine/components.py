@@ -18,6 +18,7 @@ from core.engine.step_cost import SchedulerContext
 from core.engine.types import KVCacheSpec
 from core.errors import ConfigError
 from core.model.dummy import dummy_args, dummy_model
+from core.model.fuse import fuse_projections
 from core.model.llama import ModelArgs
 from core.model.loader import DTYPES, LoadedModel, load_model, load_tokenizer, read_model_args
 from core.model.tokenizer import Tokenizer
@@ -190,6 +191,8 @@ def _build_parts(config: EngineConfig, registry: Registry, loaded: LoadedModel |
         model, shard = shard_model(loaded.model, quantizer, config, 0, config.parallel.tensor_parallel_size)
     else:
         model = quantizer.quantize(loaded.model)
+    if model is not None:
+        fuse_projections(model)
     args = loaded.args
     sc = config.scheduler
     reserve = activation_reserve(args, sc.max_num_batched_tokens, sc.max_num_seqs)
@@ -246,4 +249,5 @@ def build_worker_backend(config: EngineConfig, rank: int, world: int):
     loaded = load_weights(config, device)
     quantizer = registry.create("quant", config.quant, tokenizer=loaded.tokenizer, source=loaded.source)
     model, shard = shard_model(loaded.model, quantizer, config, rank, world)
+    fuse_projections(model)
     return _attention_and_backend(config, registry, device, model, loaded.args, shard)[2]

@@ -145,14 +145,16 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=args.qkv_bias)
         self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=args.qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=args.o_bias)
+        self.qkv_proj = None  # q/k/v as one matmul, once core.model.fuse has merged them
         self.scale = self.head_dim**-0.5
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding, ctx: ForwardContext,
                 layer: int) -> torch.Tensor:
         t = x.shape[0]
-        q, k = rope(self.q_proj(x).view(t, self.num_heads, self.head_dim),
-                    self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), positions)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x) if self.qkv_proj is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        q, k = rope(q.reshape(t, self.num_heads, self.head_dim), k.reshape(t, self.num_kv_heads, self.head_dim),
+                    positions)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
         if ctx.attention is None:
             o = causal_attention(q, k, v, self.scale)
         else:
@@ -167,9 +169,11 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=args.mlp_bias)
         self.up_proj = nn.Linear(h, i, bias=args.mlp_bias)
         self.down_proj = nn.Linear(i, h, bias=args.mlp_bias)
+        self.gate_up_proj = None  # gate/up as one matmul, once core.model.fuse has merged them
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x) if self.gate_up_proj is not None else (self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

@@ -2,6 +2,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -304,4 +305,35 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
     TORCH_CHECK(false, "unsupported KV cache dtype");
   }
   return out.to(q.scalar_type());
+}
+
+// New tokens' K and V [T, KVH, D] into a bf16 / fp32 cache [blocks, KVH, BS, D] at their flat
+// slots (block * BS + offset): the twin of kernels.attention.write_kv, one call for both.
+void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+              torch::Tensor slot_mapping) {
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() != torch::kChar,
+              "write_kv: a contiguous bf16 / fp32 cache");
+  auto kc = k.to(k_cache.scalar_type()).contiguous(), vc = v.to(v_cache.scalar_type()).contiguous();
+  auto slots = slot_mapping.to(torch::kInt64).contiguous();
+  const int64_t T = kc.size(0), KVH = kc.size(1), D = kc.size(2), BS = k_cache.size(2);
+  const int64_t esize = kc.element_size(), stride = k_cache.stride(0);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  char *kd = static_cast<char*>(k_cache.data_ptr()), *vd = static_cast<char*>(v_cache.data_ptr());
+  const char *ks = static_cast<const char*>(kc.data_ptr()), *vs = static_cast<const char*>(vc.data_ptr());
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t blk = sp[t] / BS, off = sp[t] % BS;
+    for (int64_t h = 0; h < KVH; ++h) {
+      const int64_t dst = (blk * stride + (h * BS + off) * D) * esize, src = ((t * KVH + h) * D) * esize;
+      std::memcpy(kd + dst, ks + src, D * esize);
+      std::memcpy(vd + dst, vs + src, D * esize);
+    }
+  }
+}
+
+// A decode-only step's layer in one call: the new K/V written, then attention over the cache.
+torch::Tensor write_and_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache,
+                               torch::Tensor v_cache, torch::Tensor slot_mapping, torch::Tensor block_tables,
+                               torch::Tensor context_lens, double scale) {
+  write_kv(k, v, k_cache, v_cache, slot_mapping);
+  return paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, c10::nullopt, c10::nullopt);
 }

@@ -25,6 +25,17 @@ class CPUAttention(TorchAttention):
             raise ConfigError("attention=cpu needs its C++ kernel, which did not build here (a C++ compiler and "
                               "Python's headers); use attention=torch")
         super().__init__(config, device)
+        self.kernels = cpu_attention.load()
+
+    def forward(self, q, k, v, kv_cache: tuple, meta, scale: float):
+        if len(kv_cache) > 2:  # an int8 cache quantizes as it writes: the torch path
+            return super().forward(q, k, v, kv_cache, meta, scale)
+        k_cache, v_cache = kv_cache
+        if meta.plan.all_decode:  # one C++ call a layer: a decode step's attention is mostly call overhead
+            return self.kernels.write_and_decode(q, k, v, k_cache, v_cache, meta.slot_mapping, meta.block_tables,
+                                                 meta.context_lens, scale)
+        self.kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self.attend(q, kv_cache, meta, scale)
 
 
 @hookimpl

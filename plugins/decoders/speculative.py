@@ -34,7 +34,16 @@ from dataclasses import dataclass
 
 import torch
 
-from core.api import ConfigError, DecoderConfig, DecoderOutput, ScheduledSeq, Sequence, hookimpl, load_weights
+from core.api import (
+    ConfigError,
+    DecoderConfig,
+    DecoderOutput,
+    ScheduledSeq,
+    Sequence,
+    fuse_projections,
+    hookimpl,
+    load_weights,
+)
 from plugins.decoders.proposers import DraftProposer, NgramProposer, layer_skip_model
 from plugins.decoders.sampling import SamplingDecoder, apply_top_k_top_p, exponential_race
 
@@ -139,7 +148,7 @@ def quantized_copy(engine_config, registry, device, quant: str):
         quant = "gguf" if str(loaded.source).endswith(".gguf") else "int4"
     quantizer = registry.create("quant", registry.config("quant", {"name": quant}), tokenizer=loaded.tokenizer,
                                 source=loaded.source)
-    return quantizer.quantize(loaded.model), loaded.args
+    return fuse_projections(quantizer.quantize(loaded.model)), loaded.args
 
 
 class SpeculativeDecoder(SamplingDecoder):

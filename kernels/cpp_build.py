@@ -1,0 +1,67 @@
+"""Building the C++ CPU kernels under kernels/csrc with torch's cpp_extension, once per machine.
+
+Each build is cached under ~/.cache/torch_extensions, keyed by its source, the CPU's flags and the
+torch version, so a new CPU kind (or `-DSERVELAB_PORTABLE`, the build machines without AVX-512
+get, which the tests also load) compiles its own copy. A build that fails (no compiler, no
+Python headers) is remembered and logged once; callers then fall back to their torch twins.
+`SERVELAB_NO_CPP=1` turns every C++ kernel off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("servelab")
+
+CSRC = Path(__file__).parent / "csrc"
+_built: dict[tuple[str, bool], object] = {}
+_failed: set[str] = set()
+
+
+def cpu_flags() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def build(stem: str, portable: bool = False, functions: list[str] | None = None, fast_math: bool = True):
+    """csrc/STEM.cpp compiled and loaded, or None if it cannot build. With `functions` it is a
+    Python module exposing them; without, a library registering torch ops (its namespace is the
+    `SERVELAB_NS` macro, which the caller reads back from `namespace(...)`). `fast_math=False` for
+    code whose float rounding must match its torch twin's exactly."""
+    key_id = (stem, portable)
+    if key_id in _built or stem in _failed or os.environ.get("SERVELAB_NO_CPP") == "1":
+        return _built.get(key_id)
+    from torch.utils.cpp_extension import load_inline
+
+    source = (CSRC / f"{stem}.cpp").read_text()
+    key = hashlib.sha1((source + cpu_flags() + torch.__version__ + str(portable) + ("" if fast_math else "exact"))
+                       .encode()).hexdigest()[:12]
+    name = f"servelab_{stem}_{key}"
+    flags = ["-O3", "-march=native", "-fopenmp", f"-DSERVELAB_NS={namespace(stem, portable)}"]
+    flags += ["-ffast-math"] if fast_math else []
+    try:
+        module = load_inline(name=name, cpp_sources=[source], functions=functions,
+                             extra_cflags=flags + (["-DSERVELAB_PORTABLE"] if portable else []),
+                             extra_ldflags=["-fopenmp"], verbose=False, is_python_module=functions is not None)
+        _built[key_id] = module if functions is not None else namespace(stem, portable)
+    except Exception as e:  # no compiler, no headers: the torch twin serves
+        _failed.add(stem)
+        log.warning("the C++ kernels of %s did not build (%s); using the torch reference", stem,
+                    str(e).splitlines()[0] if str(e) else type(e).__name__)
+    return _built.get(key_id)
+
+
+def namespace(stem: str, portable: bool) -> str:
+    """The torch.ops namespace of a library build (one per build, as both may be loaded at once)."""
+    return f"servelab_{stem}{'_portable' if portable else ''}"

@@ -1,0 +1,147 @@
+"""INT4 and INT8 weight-only matmuls for steps of few rows on the CPU, in C++ (csrc/cpu_quant.cpp).
+
+A decode step multiplies a handful of activation rows by every weight once, so its speed is how
+fast the weights stream in. PyTorch's packed CPU kernels (`_weight_int4pack_mm_for_cpu`,
+`_weight_int8pack_mm`) reach 4-16 GB/s there. These turn the activations into integers so that
+the inner loop is integer dot products (AVX512-VNNI), scaled once per group or per row:
+
+- INT4 (`q4_linear`): as llama.cpp's Q4_1 x Q8_1, the activations go to int8 per group of 32
+  inputs (scale = absmax / 127) and each group's dot product is four u8 x s8 products a lane
+  (`vpdpbusd`). That rounding, about 0.4 % of a group's largest input, is small beside the 4-bit
+  weights' own.
+- INT8 (`q8_linear`): int8 activations per group would double an INT8 weight's error, and an
+  outlier group costs more (0.3 logits on SmolLM2's head), so the activations go to 14-bit
+  integers with one scale a row (finer than bf16 for the large values) and the products are
+  s16 x s16 pairs (`vpdpwssd`), exact in int32 over blocks of 2,048 inputs.
+
+`q4_linear_ref` and `q8_linear_ref` are the torch twins with the same rounding (the tests hold
+the kernels to them within float summation order); the plain dequantize-and-multiply stays the
+reference for accuracy.
+
+INT4 layout (`pack_q4`): per output row, the input groups of 32 as 16 bytes each (low nibbles =
+inputs 0..15 of the group, high nibbles = inputs 16..31), so one 64-byte load holds 4 groups whose
+halves line up with the activations' two int8 halves; per 4 groups 8 float16: the 4 scales d then
+the 4 offsets m, w = q * d + m (GGUF's Q4_1 as stored; the symmetric-around-8 convention of
+kernels.quant is w = (q - 8) * s + z, so d = s, m = z - 8 s). Rows of many tokens dequantize the
+weights to bf16 and use the GEMM (`q4_dequantize`).
+
+Built once per machine (see kernels.cpp_build); without AVX512-VNNI a portable loop computes the
+same sums, and without a compiler `available()` is false and callers keep the aten kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.cpp_build import build
+
+GROUP = 32
+Q16 = 8191  # the INT8 kernel's activations: 14-bit integers, one scale a row
+
+
+def ops(portable: bool = False):
+    """The torch.ops namespace of the build (None if it did not build), its ops' shapes known to
+    torch.compile's tracing."""
+    ns = build("cpu_quant", portable, fast_math=False)  # x rounds to int8 exactly as its twin does
+    if ns is None:
+        return None
+    if ns not in _faked:
+        _faked.add(ns)
+        torch.library.register_fake(f"{ns}::q4_linear")(lambda x, w, dm: x.new_empty(x.shape[0], w.shape[0]))
+        torch.library.register_fake(f"{ns}::q8_linear")(lambda x, w, s: x.new_empty(x.shape[0], w.shape[0]))
+        torch.library.register_fake(f"{ns}::q4_dequantize")(
+            lambda w, dm, dtype: w.new_empty(w.shape[0], w.shape[1] * 2, dtype=dtype))
+        for op in ("q4_matmul", "q8_matmul"):
+            torch.library.register_fake(f"{ns}::{op}")(lambda x, w, s, rows: x.new_empty(x.shape[0], w.shape[0]))
+    return getattr(torch.ops, ns)
+
+
+def available() -> bool:
+    return ops() is not None
+
+
+_faked: set[str] = set()
+
+
+# ---- packing ----------------------------------------------------------------------------------
+
+
+def pack_q4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [N, K] in 0..15 (K a multiple of 64), d and m [N, K/32] (w = q * d + m) ->
+    (nibbles uint8 [N, K/2], dm float16 [N, ceil(K/128), 8])."""
+    n, k = q.shape
+    if k % 64:
+        raise ValueError(f"the INT4 layout wants K a multiple of 64, got {k}")
+    halves = q.to(torch.uint8).reshape(n, k // GROUP, 2, 16)
+    nibbles = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+    g = k // GROUP
+    c = -(-g // 4)
+    pad = c * 4 - g
+    d4 = F.pad(d.float(), (0, pad)).reshape(n, c, 4)
+    m4 = F.pad(m.float(), (0, pad)).reshape(n, c, 4)
+    return nibbles, torch.cat([d4, m4], dim=-1).to(torch.float16).contiguous()
+
+
+def unpack_q4(nibbles: torch.Tensor, dm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The inverse of pack_q4 (d and m as the float16 they are stored in)."""
+    n, kh = nibbles.shape
+    g = kh // 16
+    b = nibbles.reshape(n, g, 16)
+    q = torch.stack([b & 15, b >> 4], dim=2).reshape(n, g * GROUP)
+    return q, dm[..., :4].reshape(n, -1)[:, :g].float(), dm[..., 4:].reshape(n, -1)[:, :g].float()
+
+
+# ---- the matmul Int4Linear calls ----------------------------------------------------------------
+
+# Up to this many rows the C++ INT4 GEMV serves, above it a GEMM over the
+# weight dequantized to bf16 (measured on a 2-core AVX-512 EPYC, 3072 x 576: 8 rows 0.19 vs
+# 0.26 ms, 16 rows 0.34 vs 0.31 ms, 512 rows 4.5 ms, where the aten INT4 kernel took 11 ms).
+Q4_GEMV_ROWS = 12
+
+
+def q4_1_groups(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int):
+    """kernels.quant's INT4 (q, scales [K/g, N], zeros [K/g, N]) as pack_q4 wants them: per group of
+    32 a d and an m with w = q * d + m, K zero-padded to a multiple of 64."""
+    rep = group_size // GROUP
+    d = scales.float().T.repeat_interleave(rep, dim=1)
+    m = (zeros.float() - 8.0 * scales.float()).T.repeat_interleave(rep, dim=1)
+    pad = -q.shape[1] % 64
+    if pad:
+        q, d, m = F.pad(q, (0, pad)), F.pad(d, (0, pad // GROUP)), F.pad(m, (0, pad // GROUP))
+    return q, d, m
+
+
+def q4_matmul(x: torch.Tensor, nibbles: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ W.T for this INT4 layout: the GEMV for up to Q4_GEMV_ROWS rows, else a GEMM in x's
+    precision (bf16 unless x is fp32) over the weight dequantized for this call; one op either way,
+    so a compiled graph does not branch (and recompile) on the number of rows."""
+    return ops().q4_matmul(x, nibbles, dm, Q4_GEMV_ROWS)
+
+
+# ---- torch twins ------------------------------------------------------------------------------
+
+
+def quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (xq int8-valued float [M, K/32, 32], scale dx [M, K/32], exact sums sx [M, K/32])."""
+    xg = x.float().reshape(x.shape[0], -1, GROUP)
+    amax = xg.abs().amax(dim=-1)
+    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    return torch.round(xg * inv[..., None]), amax / 127.0, xg.sum(dim=-1)
+
+
+def q4_linear_ref(x: torch.Tensor, nibbles: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
+    xq, dx, sx = quantize_rows_ref(x)
+    q, d, m = unpack_q4(nibbles, dm)
+    isum = torch.einsum("mgi,ngi->mng", xq.double(), q.reshape(q.shape[0], -1, GROUP).double()).float()
+    y = (isum * dx[:, None, :] * d[None]).sum(-1) + sx @ m.T
+    return y.to(x.dtype)
+
+
+def q8_linear_ref(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The INT8 kernel's twin: x to 14-bit integers with one scale a row (absmax / 8191)."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    inv = torch.where(amax > 0, Q16 / amax, torch.zeros_like(amax))
+    isum = (torch.round(xf * inv).double() @ w.double().T).float()
+    return (isum * (amax / Q16) * scales.float()[None]).to(x.dtype)

@@ -1,0 +1,374 @@
+// Weight-only INT4 / INT8 matmuls for few activation rows on the CPU: see kernels/cpu_quant.py.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <type_traits>
+#include <vector>
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && !defined(SERVELAB_PORTABLE)
+#include <immintrin.h>
+#define SERVELAB_VNNI 1
+#endif
+
+#ifndef SERVELAB_NS
+#define SERVELAB_NS servelab_quant
+#endif
+
+namespace {
+
+constexpr int64_t GROUP = 32;  // activations are quantized per 32 inputs, as the INT4 weights are
+
+// Activations as int8 per group of 32 inputs (scale = absmax / 127, round half to even), each
+// group's 32 values split in two halves of 16 so that they line up with the low and the high
+// nibbles of the packed INT4 bytes. `lo`/`hi`: [M][C * 64] (zero padded to whole chunks);
+// `dx`, `sx`: each group's scale and exact sum, [M][C * 4].
+struct QuantizedRows {
+  int64_t M, G, C;
+  std::vector<int8_t> lo, hi;
+  std::vector<float> dx, sx;
+};
+
+template <typename T>
+QuantizedRows quantize_rows(const T* x, int64_t M, int64_t K) {
+  QuantizedRows r;
+  r.M = M;
+  r.G = K / GROUP;
+  r.C = (r.G + 3) / 4;
+  const int64_t width = r.C * 4;
+  r.dx.assign(M * width, 0.f);
+  r.sx.assign(M * width, 0.f);
+  r.lo.assign(M * r.C * 64, 0);
+  r.hi.assign(M * r.C * 64, 0);
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t g = 0; g < r.G; ++g) {
+      float v[GROUP], amax = 0.f, sum = 0.f;
+      for (int64_t i = 0; i < GROUP; ++i) {
+        v[i] = static_cast<float>(x[m * K + g * GROUP + i]);
+        amax = std::max(amax, std::fabs(v[i]));
+        sum += v[i];
+      }
+      const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+      r.dx[m * width + g] = d;
+      r.sx[m * width + g] = sum;
+      for (int64_t i = 0; i < GROUP; ++i) {
+        const int8_t q = static_cast<int8_t>(std::nearbyint(v[i] * inv));
+        if (i < 16) {
+          r.lo[m * r.C * 64 + g * 16 + i] = q;
+        } else {
+          r.hi[m * r.C * 64 + g * 16 + i - 16] = q;
+        }
+      }
+    }
+  }
+  return r;
+}
+
+// ---- INT4: y[m, n] = sum_g d[n,g] * dx[m,g] * sum_i q[n,g,i] * xq[m,g,i] + mn[n,g] * sx[m,g] ----
+
+template <typename OT>
+void q4_rows_portable(const uint8_t* w, const at::Half* dm, const QuantizedRows& x, OT* y, int64_t N,
+                      int64_t n0, int64_t n1) {
+  const int64_t C = x.C, G = x.G, KH = C * 64;  // KH: packed bytes per row incl. padding
+  const int64_t bytes_per_row = G * 16;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* wr = w + n * bytes_per_row;
+    for (int64_t m = 0; m < x.M; ++m) {
+      float acc = 0.f;
+      for (int64_t g = 0; g < G; ++g) {
+        int32_t isum = 0;
+        for (int64_t i = 0; i < 16; ++i) {
+          const uint8_t b = wr[g * 16 + i];
+          isum += (b & 15) * x.lo[m * KH + g * 16 + i] + (b >> 4) * x.hi[m * KH + g * 16 + i];
+        }
+        const float d = static_cast<float>(dm[(n * C + g / 4) * 8 + g % 4]);
+        const float mn = static_cast<float>(dm[(n * C + g / 4) * 8 + 4 + g % 4]);
+        acc += d * x.dx[m * C * 4 + g] * static_cast<float>(isum) + mn * x.sx[m * C * 4 + g];
+      }
+      y[m * N + n] = static_cast<OT>(acc);
+    }
+  }
+}
+
+#ifdef SERVELAB_VNNI
+// One output row n against MR activation rows: each 64-byte chunk of the row holds 4 groups
+// (bytes g*16..g*16+15: low nibbles = inputs 0..15 of group g, high nibbles = inputs 16..31), so
+// two u8 x s8 dot products give each group's sum in 4 int32 lanes.
+template <int MR, typename OT>
+inline void q4_row_vnni(const uint8_t* wr, const at::Half* dmr, const QuantizedRows& x, const float* dxe,
+                        const float* sxe, int64_t m0, OT* out, int64_t N, int64_t n) {
+  const int64_t C = x.C, KH = C * 64, bytes = x.G * 16;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  const __m512i idx_d = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  const __m512i idx_m = _mm512_set_epi32(7, 7, 7, 7, 6, 6, 6, 6, 5, 5, 5, 5, 4, 4, 4, 4);
+  __m512 acc[MR];
+  for (int j = 0; j < MR; ++j) acc[j] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < C; ++c) {
+    const int64_t left = bytes - c * 64;
+    const __m512i wv = left >= 64 ? _mm512_loadu_si512(wr + c * 64)
+                                  : _mm512_maskz_loadu_epi8((__mmask64)((1ULL << left) - 1), wr + c * 64);
+    const __m512i lo = _mm512_and_si512(wv, low4);
+    const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(wv, 4), low4);
+    const __m512 dm8 = _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dmr + c * 8))));
+    const __m512 d = _mm512_permutexvar_ps(idx_d, dm8);
+    const __m512 mn = _mm512_permutexvar_ps(idx_m, dm8);
+    for (int j = 0; j < MR; ++j) {
+      const int64_t m = m0 + j;
+      __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(x.lo.data() + m * KH + c * 64));
+      s = _mm512_dpbusd_epi32(s, hi, _mm512_loadu_si512(x.hi.data() + m * KH + c * 64));
+      const __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_loadu_ps(dxe + (m * C + c) * 16));
+      acc[j] = _mm512_fmadd_ps(t, d, acc[j]);
+      acc[j] = _mm512_fmadd_ps(mn, _mm512_loadu_ps(sxe + (m * C + c) * 16), acc[j]);
+    }
+  }
+  for (int j = 0; j < MR; ++j) out[(m0 + j) * N + n] = static_cast<OT>(_mm512_reduce_add_ps(acc[j]));
+}
+
+// Each group's activation scale and sum spread over its 4 lanes (the sum divided by 4, as the
+// 4 lanes of a group are added at the end).
+void spread(const QuantizedRows& x, std::vector<float>& dxe, std::vector<float>& sxe) {
+  dxe.assign(x.M * x.C * 16, 0.f);
+  sxe.assign(x.M * x.C * 16, 0.f);
+  for (int64_t m = 0; m < x.M; ++m)
+    for (int64_t c = 0; c < x.C; ++c)
+      for (int64_t l = 0; l < 16; ++l) {
+        dxe[(m * x.C + c) * 16 + l] = x.dx[m * x.C * 4 + c * 4 + l / 4];
+        sxe[(m * x.C + c) * 16 + l] = x.sx[m * x.C * 4 + c * 4 + l / 4] / 4.f;
+      }
+}
+#endif
+
+// The output in the activations' dtype (T), written as each sum is done.
+template <typename T>
+torch::Tensor q4_linear_impl(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& dm, bool portable) {
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  auto xc = x.contiguous();
+  const QuantizedRows xq = quantize_rows(xc.data_ptr<T>(), M, K);
+  auto y = torch::empty({M, N}, x.options());
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const at::Half* dmp = dm.data_ptr<at::Half>();
+  T* yp = y.data_ptr<T>();
+#ifdef SERVELAB_VNNI
+  if (!portable) {
+    std::vector<float> dxe, sxe;
+    spread(xq, dxe, sxe);
+    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1; ++n) {
+        const uint8_t* wr = wp + n * xq.G * 16;
+        const at::Half* dmr = dmp + n * xq.C * 8;
+        int64_t m = 0;
+        for (; m + 4 <= M; m += 4) q4_row_vnni<4>(wr, dmr, xq, dxe.data(), sxe.data(), m, yp, N, n);
+        switch (M - m) {
+          case 3: q4_row_vnni<3>(wr, dmr, xq, dxe.data(), sxe.data(), m, yp, N, n); break;
+          case 2: q4_row_vnni<2>(wr, dmr, xq, dxe.data(), sxe.data(), m, yp, N, n); break;
+          case 1: q4_row_vnni<1>(wr, dmr, xq, dxe.data(), sxe.data(), m, yp, N, n); break;
+          default: break;
+        }
+      }
+    });
+    return y;
+  }
+#endif
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { q4_rows_portable(wp, dmp, xq, yp, N, n0, n1); });
+  return y;
+}
+
+// ---- INT8, one scale per output row: y[m, n] = s[n] * dx[m] * sum_k w[n,k] * xq[m,k] ----------
+// The activations as 14-bit integers with one scale per row (absmax / 8191): finer than bf16 for
+// a row's large values, which per-group int8 would round to 1/127 of an outlier group's
+// absmax (0.3 logits off on SmolLM2's head). Sums are exact in int32 over blocks of KB inputs
+// (KB * 127 * 8191 < 2^31), then added in float.
+
+constexpr int64_t Q16 = 8191, KB = 2048;
+
+template <typename T>
+std::vector<int16_t> quantize_rows16(const T* x, int64_t M, int64_t K, std::vector<float>& dx) {
+  std::vector<int16_t> xq(M * K);
+  dx.assign(M, 0.f);
+  for (int64_t m = 0; m < M; ++m) {
+    float amax = 0.f;
+    for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(static_cast<float>(x[m * K + k])));
+    const float inv = amax > 0.f ? static_cast<float>(Q16) / amax : 0.f;
+    dx[m] = amax / static_cast<float>(Q16);
+    for (int64_t k = 0; k < K; ++k)
+      xq[m * K + k] = static_cast<int16_t>(std::nearbyint(static_cast<float>(x[m * K + k]) * inv));
+  }
+  return xq;
+}
+
+#ifdef SERVELAB_VNNI
+template <int MR, typename OT>
+inline void q8_row_vnni(const int8_t* wr, const int16_t* xq, const float* dx, int64_t K, int64_t m0, float scale,
+                        OT* out, int64_t N, int64_t n) {
+  __m512 facc[MR];
+  for (int j = 0; j < MR; ++j) facc[j] = _mm512_setzero_ps();
+  for (int64_t k0 = 0; k0 < K; k0 += KB) {
+    const int64_t k1 = std::min(K, k0 + KB);
+    __m512i acc[2][MR];  // even and odd steps: two dependency chains a row
+    for (int j = 0; j < MR; ++j) acc[0][j] = acc[1][j] = _mm512_setzero_si512();
+    int64_t k = k0;
+    for (; k + 64 <= k1; k += 64) {
+      for (int u = 0; u < 2; ++u) {
+        const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(wr + k + 32 * u)));
+        for (int j = 0; j < MR; ++j)
+          acc[u][j] = _mm512_dpwssd_epi32(acc[u][j], w, _mm512_loadu_si512(xq + (m0 + j) * K + k + 32 * u));
+      }
+    }
+    if (k < k1) {  // 32 left (K is a multiple of 32)
+      const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(wr + k)));
+      for (int j = 0; j < MR; ++j)
+        acc[0][j] = _mm512_dpwssd_epi32(acc[0][j], w, _mm512_loadu_si512(xq + (m0 + j) * K + k));
+    }
+    for (int j = 0; j < MR; ++j)
+      facc[j] = _mm512_add_ps(facc[j], _mm512_cvtepi32_ps(_mm512_add_epi32(acc[0][j], acc[1][j])));
+  }
+  for (int j = 0; j < MR; ++j)
+    out[(m0 + j) * N + n] = static_cast<OT>(scale * dx[m0 + j] * _mm512_reduce_add_ps(facc[j]));
+}
+#endif
+
+template <typename T>
+torch::Tensor q8_linear_impl(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales,
+                             bool portable) {
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  auto xc = x.contiguous();
+  std::vector<float> dx;
+  const std::vector<int16_t> xq = quantize_rows16(xc.data_ptr<T>(), M, K, dx);
+  auto y = torch::empty({M, N}, x.options());
+  const int8_t* wp = w.data_ptr<int8_t>();
+  auto sc = scales.to(torch::kFloat32).contiguous();
+  const float* sp = sc.data_ptr<float>();
+  T* yp = y.data_ptr<T>();
+#ifdef SERVELAB_VNNI
+  if (!portable) {
+    at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1; ++n) {
+        const int8_t* wr = wp + n * K;
+        int64_t m = 0;
+        for (; m + 4 <= M; m += 4) q8_row_vnni<4>(wr, xq.data(), dx.data(), K, m, sp[n], yp, N, n);
+        switch (M - m) {
+          case 3: q8_row_vnni<3>(wr, xq.data(), dx.data(), K, m, sp[n], yp, N, n); break;
+          case 2: q8_row_vnni<2>(wr, xq.data(), dx.data(), K, m, sp[n], yp, N, n); break;
+          case 1: q8_row_vnni<1>(wr, xq.data(), dx.data(), K, m, sp[n], yp, N, n); break;
+          default: break;
+        }
+      }
+    });
+    return y;
+  }
+#endif
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t m = 0; m < M; ++m) {
+        float acc = 0.f;
+        for (int64_t k0 = 0; k0 < K; k0 += KB) {
+          int32_t isum = 0;
+          for (int64_t k = k0; k < std::min(K, k0 + KB); ++k) isum += wp[n * K + k] * xq[m * K + k];
+          acc += static_cast<float>(isum);
+        }
+        yp[m * N + n] = static_cast<T>(sp[n] * dx[m] * acc);
+      }
+  });
+  return y;
+}
+
+bool portable_build() {
+#ifdef SERVELAB_VNNI
+  return false;
+#else
+  return true;
+#endif
+}
+
+torch::Tensor q4_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& dm) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && dm.dim() == 3, "q4_linear: x [M, K], w [N, K/2], dm [N, C, 8]");
+  TORCH_CHECK(x.size(1) % 64 == 0 && w.size(1) * 2 == x.size(1), "q4_linear: K must be a multiple of 64 and match w");
+  TORCH_CHECK(w.is_contiguous() && dm.is_contiguous() && dm.scalar_type() == torch::kHalf && w.scalar_type() == torch::kByte,
+              "q4_linear: w uint8 and dm float16, contiguous");
+  if (x.scalar_type() == torch::kBFloat16) return q4_linear_impl<at::BFloat16>(x, w, dm, portable_build());
+  if (x.scalar_type() == torch::kFloat32) return q4_linear_impl<float>(x, w, dm, portable_build());
+  return q4_linear_impl<float>(x.to(torch::kFloat32), w, dm, portable_build()).to(x.scalar_type());
+}
+
+torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && x.size(1) % GROUP == 0,
+              "q8_linear: x [M, K], w [N, K], K a multiple of 32");
+  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kChar, "q8_linear: w int8, contiguous");
+  if (x.scalar_type() == torch::kBFloat16) return q8_linear_impl<at::BFloat16>(x, w, scales, portable_build());
+  if (x.scalar_type() == torch::kFloat32) return q8_linear_impl<float>(x, w, scales, portable_build());
+  return q8_linear_impl<float>(x.to(torch::kFloat32), w, scales, portable_build()).to(x.scalar_type());
+}
+
+// The INT4 weights as a dense matrix (for steps with many rows, where a bf16 GEMM wins).
+template <typename T>
+void q4_dequantize_rows(const uint8_t* wp, const at::Half* dmp, T* op, int64_t G, int64_t C, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t g = 0; g < G; ++g) {
+      const float d = static_cast<float>(dmp[(n * C + g / 4) * 8 + g % 4]);
+      const float mn = static_cast<float>(dmp[(n * C + g / 4) * 8 + 4 + g % 4]);
+      const uint8_t* b = wp + n * G * 16 + g * 16;
+      T* o = op + n * G * GROUP + g * GROUP;
+#if defined(SERVELAB_VNNI) && defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<T, at::BFloat16>) {
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)b));
+        const __m512i low4 = _mm512_set1_epi32(15);
+        const __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, low4)), _mm512_set1_ps(d), _mm512_set1_ps(mn));
+        const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), _mm512_set1_ps(d), _mm512_set1_ps(mn));
+        _mm256_storeu_si256((__m256i*)o, (__m256i)_mm512_cvtneps_pbh(lo));
+        _mm256_storeu_si256((__m256i*)(o + 16), (__m256i)_mm512_cvtneps_pbh(hi));
+        continue;
+      }
+#endif
+      for (int64_t i = 0; i < 16; ++i) {
+        o[i] = static_cast<T>((b[i] & 15) * d + mn);
+        o[i + 16] = static_cast<T>((b[i] >> 4) * d + mn);
+      }
+    }
+}
+
+torch::Tensor q4_dequantize(const torch::Tensor& w, const torch::Tensor& dm, c10::ScalarType dtype) {
+  const int64_t N = w.size(0), G = w.size(1) / 16, C = dm.size(1);
+  const bool bf16 = dtype == torch::kBFloat16;
+  auto out = torch::empty({N, G * GROUP}, w.options().dtype(bf16 ? torch::kBFloat16 : torch::kFloat32));
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const at::Half* dmp = dm.data_ptr<at::Half>();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    if (bf16) q4_dequantize_rows(wp, dmp, out.data_ptr<at::BFloat16>(), G, C, n0, n1);
+    else q4_dequantize_rows(wp, dmp, out.data_ptr<float>(), G, C, n0, n1);
+  });
+  return out.scalar_type() == dtype ? out : out.to(dtype);
+}
+
+// One op for either path, so that a compiled graph holds no branch on the number of rows (a
+// guard that would recompile it): the GEMV up to `gemv_rows` rows, else a GEMM over the weight
+// dequantized for this call (bf16, or fp32 for fp32 activations).
+torch::Tensor q4_matmul(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& dm, int64_t gemv_rows) {
+  if (x.size(0) <= gemv_rows) return q4_linear(x, w, dm);
+  const auto dtype = x.scalar_type() == torch::kFloat32 ? torch::kFloat32 : torch::kBFloat16;
+  return at::linear(x.to(dtype), q4_dequantize(w, dm, dtype)).to(x.scalar_type());
+}
+
+torch::Tensor q8_matmul(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales,
+                        int64_t gemv_rows) {
+  if (x.size(0) <= gemv_rows) return q8_linear(x, w, scales);
+  auto dense = w.to(torch::kBFloat16) * scales.to(torch::kBFloat16).unsqueeze(1);
+  return at::linear(x.to(torch::kBFloat16), dense).to(x.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY(SERVELAB_NS, m) {
+  m.def("q4_linear(Tensor x, Tensor w, Tensor dm) -> Tensor");
+  m.def("q8_linear(Tensor x, Tensor w, Tensor scales) -> Tensor");
+  m.def("q4_dequantize(Tensor w, Tensor dm, ScalarType dtype) -> Tensor");
+  m.def("q4_matmul(Tensor x, Tensor w, Tensor dm, int gemv_rows) -> Tensor");
+  m.def("q8_matmul(Tensor x, Tensor w, Tensor scales, int gemv_rows) -> Tensor");
+  m.def("portable() -> bool", &portable_build);
+}
+
+TORCH_LIBRARY_IMPL(SERVELAB_NS, CPU, m) {
+  m.impl("q4_linear", &q4_linear);
+  m.impl("q8_linear", &q8_linear);
+  m.impl("q4_dequantize", &q4_dequantize);
+  m.impl("q4_matmul", &q4_matmul);
+  m.impl("q8_matmul", &q8_matmul);
+}

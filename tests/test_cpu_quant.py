@@ -1,0 +1,152 @@
+"""The C++ INT4 / INT8 matmuls (kernels.cpu_quant) against their torch twins, the activation
+rounding they add against its bound, the Int4Linear paths, the C++ KV write, and fused projections."""
+
+import pytest
+import torch
+from torch import nn
+
+from kernels import attention as ref_attention
+from kernels import cpu_attention, cpu_quant
+from kernels.cpu_quant import pack_q4, q4_linear_ref, q8_linear_ref, quantize_rows_ref, unpack_q4
+from kernels.quant import Int4Linear, Int8Linear
+
+g = torch.Generator().manual_seed(0)
+BUILDS = pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
+
+
+def q4_case(n: int, k: int):
+    q = torch.randint(0, 16, (n, k), generator=g)
+    d = torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3
+    m = -torch.rand(n, k // 32, generator=g) * 0.1
+    return q, d, m
+
+
+def test_the_kernels_build_here():
+    assert cpu_quant.available()
+
+
+def test_pack_round_trips_and_rejects_an_odd_width():
+    q, d, m = q4_case(24, 192)  # 6 groups: a whole chunk of 4 and a half one
+    nibbles, dm = pack_q4(q, d, m)
+    assert nibbles.shape == (24, 96) and dm.shape == (24, 2, 8)
+    q2, d2, m2 = unpack_q4(nibbles, dm)
+    assert torch.equal(q2.long(), q)
+    torch.testing.assert_close(d2, d.half().float(), atol=0, rtol=0)
+    torch.testing.assert_close(m2, m.half().float(), atol=0, rtol=0)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        pack_q4(q[:, :96], d[:, :3], m[:, :3])
+
+
+@BUILDS
+@pytest.mark.parametrize("n, k, rows", [(40, 64, 1), (96, 576, 3), (200, 192, 5), (64, 1536, 8)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_q4_linear_matches_its_twin(n, k, rows, dtype, portable):
+    nibbles, dm = pack_q4(*q4_case(n, k))
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    got = cpu_quant.ops(portable).q4_linear(x, nibbles, dm)
+    want = q4_linear_ref(x, nibbles, dm)
+    assert got.dtype == dtype
+    # fp32: the sums' order only; bf16: one rounding of the output
+    tol = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=8e-3)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+
+
+@BUILDS
+@pytest.mark.parametrize("n, k, rows", [(40, 64, 1), (96, 576, 6), (33, 96, 2), (16, 4160, 3)])  # 4160: two int32 blocks and a tail
+def test_q8_linear_matches_its_twin(n, k, rows, portable):
+    w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scales = torch.rand(n, generator=g) * 0.01
+    x = torch.randn(rows, k, generator=g)
+    got = cpu_quant.ops(portable).q8_linear(x, w, scales)
+    # an activation at a rounding tie may land one 14-bit step apart: |w| * step * scale <= 1e-3 here
+    torch.testing.assert_close(got, q8_linear_ref(x, w, scales), atol=1e-3, rtol=1e-5)
+
+
+def test_the_activation_rounding_stays_within_half_a_step_per_input():
+    n, k = 64, 576
+    q, d, m = q4_case(n, k)
+    nibbles, dm = pack_q4(q, d, m)
+    x = torch.randn(4, k, generator=g) * torch.linspace(0.1, 5, k)  # groups of very different ranges
+    q2, d2, m2 = unpack_q4(nibbles, dm)
+    w = q2.float() * d2.repeat_interleave(32, 1) + m2.repeat_interleave(32, 1)
+    exact = x @ w.T
+    _, dx, _ = quantize_rows_ref(x)
+    bound = (w.abs()[None] * (dx.repeat_interleave(32, 1) / 2)[:, None, :]).sum(-1)  # sum_k |w| * step_k / 2
+    err = (cpu_quant.ops().q4_linear(x, nibbles, dm) - exact).abs()
+    assert (err <= bound + 1e-4).all()
+    assert err.max() > 0  # the rounding is there: the twin, not the exact product, is what matches
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_q4_dequantize_is_the_unpacked_formula(dtype):
+    q, d, m = q4_case(48, 320)
+    nibbles, dm = pack_q4(q, d, m)
+    q2, d2, m2 = unpack_q4(nibbles, dm)
+    want = (q2.float() * d2.repeat_interleave(32, 1) + m2.repeat_interleave(32, 1)).to(dtype)
+    got = cpu_quant.ops().q4_dequantize(nibbles, dm, dtype)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 12, 13, 40])  # the GEMV up to Q4_GEMV_ROWS, then the dequantized GEMM
+@pytest.mark.parametrize("group", [32, 128])
+def test_int4_module_on_both_paths(rows, group):
+    w, bias = torch.randn(80, 256, generator=g), torch.randn(80, generator=g)
+    fast = Int4Linear.from_weight(w, bias, group, fast=True)
+    ref = Int4Linear.from_weight(w, bias, group, fast=False)
+    assert fast.layout == "cpu_q4"
+    x = torch.randn(rows, 256, generator=g)
+    # the scale and offset stored as float16: half an ulp of each (offsets reach about 4 here)
+    torch.testing.assert_close(fast.dequantized_weight(), ref.dequantized_weight(), atol=5e-3, rtol=1e-3)
+    want = x @ fast.dequantized_weight().T + bias  # its float16 scales and offsets
+    if rows <= cpu_quant.Q4_GEMV_ROWS:  # the GEMV's own rounding of x
+        want = q4_linear_ref(x, fast.weight_packed, fast.dm) + bias
+    torch.testing.assert_close(fast(x), want, atol=1e-4, rtol=1e-4)
+
+
+def test_the_cpp_kv_write_is_the_reference():
+    kc = torch.zeros(6, 2, 4, 16, dtype=torch.bfloat16)
+    vc, kc2, vc2 = kc.clone(), kc.clone(), kc.clone()
+    k, v = torch.randn(5, 2, 16, generator=g), torch.randn(5, 2, 16, generator=g)
+    slots = torch.tensor([3, 4, 21, 9, 0])  # across blocks, out of order
+    ref_attention.write_kv(k, v, kc, vc, slots)
+    cpu_attention.write_kv(k, v, kc2, vc2, slots)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2) and kc.abs().sum() > 0
+
+
+def test_concatenated_layers_compute_the_same_outputs():
+    from core.model.fuse import concat_rows
+
+    x = torch.randn(3, 128, generator=g)
+    for make in (lambda n: Int4Linear.from_weight(torch.randn(n, 128, generator=g), None, 32),
+                 lambda n: Int8Linear.from_linear(nn.Linear(128, n)),
+                 lambda n: nn.Linear(128, n)):
+        parts = [make(n) for n in (64, 32, 32)]
+        fused = concat_rows(parts)
+        want = torch.cat([p(x) for p in parts], dim=-1)
+        torch.testing.assert_close(fused(x), want, atol=1e-5, rtol=1e-5)
+    mixed = [nn.Linear(128, 8), Int8Linear.from_linear(nn.Linear(128, 8))]
+    assert concat_rows(mixed) is None  # a kept float layer beside a quantized one stays apart
+
+
+def test_a_fused_model_gives_the_same_logits(tiny_dirs):
+    from core.model.fuse import fuse_projections
+    from core.model.loader import load_model
+
+    loaded = load_model(tiny_dirs["llama"], dtype="fp32")
+    ids, pos = torch.tensor([5, 6, 7, 8, 9]), torch.arange(5)
+    with torch.inference_mode():
+        before = loaded.model.compute_logits(loaded.model(ids, pos))
+        fuse_projections(loaded.model)
+        after = loaded.model.compute_logits(loaded.model(ids, pos))
+    assert loaded.model.fused_projections == 2 * loaded.model.args.num_layers
+    torch.testing.assert_close(after, before, atol=1e-5, rtol=1e-5)
+
+
+def test_the_ops_trace_under_compile():
+    nibbles, dm = pack_q4(*q4_case(32, 64))
+    x = torch.randn(2, 64, generator=g)
+    for op, args in ((cpu_quant.ops().q4_linear, (x, nibbles, dm)),
+                     (cpu_quant.ops().q8_linear, (x, torch.ones(16, 64, dtype=torch.int8), torch.ones(16))),
+                     (cpu_quant.ops().q4_dequantize, (nibbles, dm, torch.bfloat16))):
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
