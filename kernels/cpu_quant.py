@@ -92,6 +92,12 @@ def unpack_q4(nibbles: torch.Tensor, dm: torch.Tensor) -> tuple[torch.Tensor, to
     return q, dm[..., :4].reshape(n, -1)[:, :g].float(), dm[..., 4:].reshape(n, -1)[:, :g].float()
 
 
+def dequantize_q4_ref(nibbles: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
+    """The weights of pack_q4's layout in fp32, w = q * d + m: the twin of the `q4_dequantize` op."""
+    q, d, m = unpack_q4(nibbles, dm)
+    return q.float() * d.repeat_interleave(GROUP, 1) + m.repeat_interleave(GROUP, 1)
+
+
 # ---- the matmul Int4Linear calls ----------------------------------------------------------------
 
 # Up to this many rows the C++ INT4 GEMV serves, above it a GEMM over the

@@ -124,9 +124,8 @@ class Int8Linear(nn.Module):
         if len({(m.in_features, m.fast, m.scales.dtype) for m in mods}) != 1:
             return None
         bias = None if mods[0].bias is None else torch.cat([m.bias.data for m in mods])
-        out = cls(torch.cat([m.weight_q for m in mods]), torch.cat([m.scales for m in mods]), bias, mods[0].fast)
-        out.scales = torch.cat([m.scales for m in mods])  # as stored (the constructor would round fp32 again)
-        return out
+        # the scales as stored: the constructor's cast to its storage dtype is then a no-op
+        return cls(torch.cat([m.weight_q for m in mods]), torch.cat([m.scales for m in mods]), bias, mods[0].fast)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -228,9 +227,7 @@ class Int4Linear(nn.Module):
 
     def dequantized_weight(self) -> torch.Tensor:
         if self.layout == "cpu_q4":
-            q, d, m = cpu_quant.unpack_q4(self.weight_packed, self.dm)
-            w = (q.float() * d.repeat_interleave(cpu_quant.GROUP, 1) + m.repeat_interleave(cpu_quant.GROUP, 1))
-            w = w[:, : self.in_features]
+            w = cpu_quant.dequantize_q4_ref(self.weight_packed, self.dm)[:, : self.in_features]
         else:
             w = dequantize_int4(self._unpacked(), self.scales, self.zeros, self.group_size)[:, : self.in_features]
         return w / self.input_scale.float()[None, :] if self.input_scale is not None else w

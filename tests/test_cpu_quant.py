@@ -7,7 +7,7 @@ from torch import nn
 
 from kernels import attention as ref_attention
 from kernels import cpu_attention, cpu_quant
-from kernels.cpu_quant import pack_q4, q4_linear_ref, q8_linear_ref, quantize_rows_ref, unpack_q4
+from kernels.cpu_quant import dequantize_q4_ref, pack_q4, q4_linear_ref, q8_linear_ref, quantize_rows_ref, unpack_q4
 from kernels.quant import Int4Linear, Int8Linear
 
 g = torch.Generator().manual_seed(0)
@@ -67,8 +67,7 @@ def test_the_activation_rounding_stays_within_half_a_step_per_input():
     q, d, m = q4_case(n, k)
     nibbles, dm = pack_q4(q, d, m)
     x = torch.randn(4, k, generator=g) * torch.linspace(0.1, 5, k)  # groups of very different ranges
-    q2, d2, m2 = unpack_q4(nibbles, dm)
-    w = q2.float() * d2.repeat_interleave(32, 1) + m2.repeat_interleave(32, 1)
+    w = dequantize_q4_ref(nibbles, dm)
     exact = x @ w.T
     _, dx, _ = quantize_rows_ref(x)
     bound = (w.abs()[None] * (dx.repeat_interleave(32, 1) / 2)[:, None, :]).sum(-1)  # sum_k |w| * step_k / 2
@@ -81,8 +80,7 @@ def test_the_activation_rounding_stays_within_half_a_step_per_input():
 def test_q4_dequantize_is_the_unpacked_formula(dtype):
     q, d, m = q4_case(48, 320)
     nibbles, dm = pack_q4(q, d, m)
-    q2, d2, m2 = unpack_q4(nibbles, dm)
-    want = (q2.float() * d2.repeat_interleave(32, 1) + m2.repeat_interleave(32, 1)).to(dtype)
+    want = dequantize_q4_ref(nibbles, dm).to(dtype)
     got = cpu_quant.ops().q4_dequantize(nibbles, dm, dtype)
     assert got.dtype == dtype
     torch.testing.assert_close(got, want, atol=0, rtol=0)

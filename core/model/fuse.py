@@ -38,7 +38,8 @@ def concat_rows(mods: list[nn.Module]) -> nn.Module | None:
     kind = kinds.pop()
     if kind is nn.Linear:
         w = torch.cat([m.weight.data for m in mods])
-        lin = nn.Linear(w.shape[1], w.shape[0], bias=biased.pop(), device=w.device, dtype=w.dtype)
+        # no initialisation: the concatenated weights replace it at once
+        lin = nn.utils.skip_init(nn.Linear, w.shape[1], w.shape[0], bias=biased.pop(), device=w.device, dtype=w.dtype)
         lin.weight.data = w
         if lin.bias is not None:
             lin.bias.data = torch.cat([m.bias.data for m in mods])

@@ -139,7 +139,7 @@ void spread(const QuantizedRows& x, std::vector<float>& dxe, std::vector<float>&
 
 // The output in the activations' dtype (T), written as each sum is done.
 template <typename T>
-torch::Tensor q4_linear_impl(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& dm, bool portable) {
+torch::Tensor q4_linear_impl(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& dm) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   auto xc = x.contiguous();
   const QuantizedRows xq = quantize_rows(xc.data_ptr<T>(), M, K);
@@ -148,27 +148,25 @@ torch::Tensor q4_linear_impl(const torch::Tensor& x, const torch::Tensor& w, con
   const at::Half* dmp = dm.data_ptr<at::Half>();
   T* yp = y.data_ptr<T>();
 #ifdef SERVELAB_VNNI
-  if (!portable) {
-    std::vector<float> dxe, sxe;
-    spread(xq, dxe, sxe);
-    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-      for (int64_t n = n0; n < n1; ++n) {
-        const uint8_t* wr = wp + n * xq.G * 16;
-        const at::Half* dmr = dmp + n * xq.C * 8;
-        int64_t m = 0;
-        for (; m + 4 <= M; m += 4) q4_row_vnni<4>(wr, dmr, xq, dxe.data(), sxe.data(), m, yp, N, n);
-        switch (M - m) {
-          case 3: q4_row_vnni<3>(wr, dmr, xq, dxe.data(), sxe.data(), m, yp, N, n); break;
-          case 2: q4_row_vnni<2>(wr, dmr, xq, dxe.data(), sxe.data(), m, yp, N, n); break;
-          case 1: q4_row_vnni<1>(wr, dmr, xq, dxe.data(), sxe.data(), m, yp, N, n); break;
-          default: break;
-        }
+  std::vector<float> dxe, sxe;
+  spread(xq, dxe, sxe);
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* wr = wp + n * xq.G * 16;
+      const at::Half* dmr = dmp + n * xq.C * 8;
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4) q4_row_vnni<4>(wr, dmr, xq, dxe.data(), sxe.data(), m, yp, N, n);
+      switch (M - m) {
+        case 3: q4_row_vnni<3>(wr, dmr, xq, dxe.data(), sxe.data(), m, yp, N, n); break;
+        case 2: q4_row_vnni<2>(wr, dmr, xq, dxe.data(), sxe.data(), m, yp, N, n); break;
+        case 1: q4_row_vnni<1>(wr, dmr, xq, dxe.data(), sxe.data(), m, yp, N, n); break;
+        default: break;
       }
-    });
-    return y;
-  }
-#endif
+    }
+  });
+#else
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) { q4_rows_portable(wp, dmp, xq, yp, N, n0, n1); });
+#endif
   return y;
 }
 
@@ -227,8 +225,7 @@ inline void q8_row_vnni(const int8_t* wr, const int16_t* xq, const float* dx, in
 #endif
 
 template <typename T>
-torch::Tensor q8_linear_impl(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales,
-                             bool portable) {
+torch::Tensor q8_linear_impl(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   auto xc = x.contiguous();
   std::vector<float> dx;
@@ -239,23 +236,20 @@ torch::Tensor q8_linear_impl(const torch::Tensor& x, const torch::Tensor& w, con
   const float* sp = sc.data_ptr<float>();
   T* yp = y.data_ptr<T>();
 #ifdef SERVELAB_VNNI
-  if (!portable) {
-    at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-      for (int64_t n = n0; n < n1; ++n) {
-        const int8_t* wr = wp + n * K;
-        int64_t m = 0;
-        for (; m + 4 <= M; m += 4) q8_row_vnni<4>(wr, xq.data(), dx.data(), K, m, sp[n], yp, N, n);
-        switch (M - m) {
-          case 3: q8_row_vnni<3>(wr, xq.data(), dx.data(), K, m, sp[n], yp, N, n); break;
-          case 2: q8_row_vnni<2>(wr, xq.data(), dx.data(), K, m, sp[n], yp, N, n); break;
-          case 1: q8_row_vnni<1>(wr, xq.data(), dx.data(), K, m, sp[n], yp, N, n); break;
-          default: break;
-        }
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      const int8_t* wr = wp + n * K;
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4) q8_row_vnni<4>(wr, xq.data(), dx.data(), K, m, sp[n], yp, N, n);
+      switch (M - m) {
+        case 3: q8_row_vnni<3>(wr, xq.data(), dx.data(), K, m, sp[n], yp, N, n); break;
+        case 2: q8_row_vnni<2>(wr, xq.data(), dx.data(), K, m, sp[n], yp, N, n); break;
+        case 1: q8_row_vnni<1>(wr, xq.data(), dx.data(), K, m, sp[n], yp, N, n); break;
+        default: break;
       }
-    });
-    return y;
-  }
-#endif
+    }
+  });
+#else
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n)
       for (int64_t m = 0; m < M; ++m) {
@@ -268,6 +262,7 @@ torch::Tensor q8_linear_impl(const torch::Tensor& x, const torch::Tensor& w, con
         yp[m * N + n] = static_cast<T>(sp[n] * dx[m] * acc);
       }
   });
+#endif
   return y;
 }
 
@@ -284,18 +279,18 @@ torch::Tensor q4_linear(const torch::Tensor& x, const torch::Tensor& w, const to
   TORCH_CHECK(x.size(1) % 64 == 0 && w.size(1) * 2 == x.size(1), "q4_linear: K must be a multiple of 64 and match w");
   TORCH_CHECK(w.is_contiguous() && dm.is_contiguous() && dm.scalar_type() == torch::kHalf && w.scalar_type() == torch::kByte,
               "q4_linear: w uint8 and dm float16, contiguous");
-  if (x.scalar_type() == torch::kBFloat16) return q4_linear_impl<at::BFloat16>(x, w, dm, portable_build());
-  if (x.scalar_type() == torch::kFloat32) return q4_linear_impl<float>(x, w, dm, portable_build());
-  return q4_linear_impl<float>(x.to(torch::kFloat32), w, dm, portable_build()).to(x.scalar_type());
+  if (x.scalar_type() == torch::kBFloat16) return q4_linear_impl<at::BFloat16>(x, w, dm);
+  if (x.scalar_type() == torch::kFloat32) return q4_linear_impl<float>(x, w, dm);
+  return q4_linear_impl<float>(x.to(torch::kFloat32), w, dm).to(x.scalar_type());
 }
 
 torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && x.size(1) % GROUP == 0,
               "q8_linear: x [M, K], w [N, K], K a multiple of 32");
   TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kChar, "q8_linear: w int8, contiguous");
-  if (x.scalar_type() == torch::kBFloat16) return q8_linear_impl<at::BFloat16>(x, w, scales, portable_build());
-  if (x.scalar_type() == torch::kFloat32) return q8_linear_impl<float>(x, w, scales, portable_build());
-  return q8_linear_impl<float>(x.to(torch::kFloat32), w, scales, portable_build()).to(x.scalar_type());
+  if (x.scalar_type() == torch::kBFloat16) return q8_linear_impl<at::BFloat16>(x, w, scales);
+  if (x.scalar_type() == torch::kFloat32) return q8_linear_impl<float>(x, w, scales);
+  return q8_linear_impl<float>(x.to(torch::kFloat32), w, scales).to(x.scalar_type());
 }
 
 // The INT4 weights as a dense matrix (for steps with many rows, where a bf16 GEMM wins).
