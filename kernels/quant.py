@@ -42,7 +42,7 @@ def int8_matmul_ref(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> t
     return (x.float() @ dequantize_int8(q, scales).T).to(x.dtype)
 
 
-# Above this many rows the packed CPU kernel (a GEMV at heart: its time grows with the rows) loses
+# Above this many rows aten's packed CPU kernel (a GEMV at heart: its time grows with the rows) loses
 # to dequantizing the weight to bf16 and one GEMM; measured on a 2-core AVX-512 EPYC, 1536 x 576:
 # 16 rows 0.21 vs 0.29 ms, 32 rows 0.40 vs 0.35 ms, 64 rows 0.78 vs 0.48 ms, 512 rows 6.3 vs 2.9 ms.
 INT8_DEQUANT_ROWS = 24
@@ -58,7 +58,7 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch
     if x.device.type == "cpu":
         fast = cpu_quant.ops() if q.shape[1] % cpu_quant.GROUP == 0 else None
         if fast is not None:  # both paths in one op: no branch on the rows in a compiled graph
-            return fast.q8_matmul(x.to(torch.bfloat16), q, scales, INT8_DEQUANT_ROWS).to(x.dtype)
+            return fast.q8_matmul(x.to(torch.bfloat16), q, scales, cpu_quant.Q8_GEMV_ROWS).to(x.dtype)
         xb, sb = x.to(torch.bfloat16), scales.to(torch.bfloat16)
         if x.shape[0] > INT8_DEQUANT_ROWS:
             return F.linear(xb, q.to(torch.bfloat16) * sb[:, None]).to(x.dtype)

@@ -86,6 +86,25 @@ def test_q4_dequantize_is_the_unpacked_formula(dtype):
     torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
+@BUILDS
+def test_q8_dequantize_is_torchs_bf16_product(portable):
+    w = torch.randint(-127, 128, (37, 200), generator=g, dtype=torch.int8)  # 200: a tail past the 16-wide loop
+    scales = (torch.rand(37, generator=g) * 0.01).to(torch.bfloat16)
+    got = cpu_quant.ops(portable).q8_dequantize(w, scales)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, w.to(torch.bfloat16) * scales[:, None], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("n", [300, 4097, 6000])  # one dequantized weight; past 2 slabs of 2048 rows, with a part slab
+def test_q8_matmul_many_rows_is_the_bf16_product(n):
+    w = torch.randint(-127, 128, (n, 64), generator=g, dtype=torch.int8)
+    scales = (torch.rand(n, generator=g) * 0.01).to(torch.bfloat16)
+    x = torch.randn(30, 64, generator=g).to(torch.bfloat16)
+    got = cpu_quant.ops().q8_matmul(x, w, scales, 24)
+    want = (x.float() @ (w.to(torch.bfloat16) * scales[:, None]).float().T).to(torch.bfloat16)
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=8e-3)  # bf16 output, the sums' order
+
+
 @pytest.mark.parametrize("rows", [1, 5, 12, 13, 40])  # the GEMV up to Q4_GEMV_ROWS, then the dequantized GEMM
 @pytest.mark.parametrize("group", [32, 128])
 def test_int4_module_on_both_paths(rows, group):
@@ -146,5 +165,6 @@ def test_the_ops_trace_under_compile():
     x = torch.randn(2, 64, generator=g)
     for op, args in ((cpu_quant.ops().q4_linear, (x, nibbles, dm)),
                      (cpu_quant.ops().q8_linear, (x, torch.ones(16, 64, dtype=torch.int8), torch.ones(16))),
-                     (cpu_quant.ops().q4_dequantize, (nibbles, dm, torch.bfloat16))):
+                     (cpu_quant.ops().q4_dequantize, (nibbles, dm, torch.bfloat16)),
+                     (cpu_quant.ops().q8_dequantize, (torch.ones(16, 64, dtype=torch.int8), torch.ones(16)))):
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))

@@ -10,6 +10,7 @@ from core.config import QuantConfig
 from core.engine.engine import Engine
 from core.engine.types import SamplingParams
 from core.model.quantize import swap_linears
+from kernels import cpu_quant
 from kernels.cpu_quant import q8_linear_ref
 from kernels.quant import (
     Int4Linear,
@@ -47,13 +48,11 @@ def test_int4_round_trip_within_half_a_step(group):
 
 @pytest.mark.parametrize("rows", [5, 100])  # the packed kernel, and the bf16 GEMM over the dequantized weight
 def test_int8_fast_kernel_matches_reference(rows):
-    from kernels.quant import INT8_DEQUANT_ROWS
-
-    assert (rows > INT8_DEQUANT_ROWS) == (rows == 100)
+    assert (rows > cpu_quant.Q8_GEMV_ROWS) == (rows == 100)
     w = torch.randn(96, 64, generator=g)
     q, s = quantize_int8(w)
     x = torch.randn(rows, 64, generator=g).bfloat16()
-    # few rows: the C++ kernel, which also rounds the activations to int8 per 32 (its twin does too)
+    # few rows: the C++ GEMV, which rounds the activations to 14-bit integers (its twin does too)
     ref = q8_linear_ref(x, q, s) if rows == 5 else int8_matmul_ref(x, q, s)
     torch.testing.assert_close(int8_matmul(x, q, s).float(), ref.float(), atol=0.05, rtol=0.02)
 

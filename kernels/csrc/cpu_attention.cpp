@@ -224,6 +224,31 @@ static void decode_kernel_avx512(const float* q, const KV* kc, const KV* vc, con
             const __m512 a = _mm512_set1_ps(alpha);
             for (int c = 0; c < ND; ++c) acc[g * ND + c] = _mm512_mul_ps(acc[g * ND + c], a);
           }
+          if (bf16_dot) {
+#if defined(__AVX512BF16__)
+            // P.V as bf16 pair products (P rounded to bf16, as flash attention's P.V GEMM does): two
+            // value rows interleaved word by word give each lane a (v[t][d], v[t+1][d]) pair, so
+            // the rows are never widened; the accumulators hold d in unpack order (undone at the end)
+            alignas(64) uint16_t pb[16 * 16];
+            for (int64_t g = 0; g < G; ++g)
+              _mm256_store_si256((__m256i*)(pb + g * 16), (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(s + g * 16)));
+            for (int t = 0; t < n; t += 2) {
+              __m512i pair[ND];
+              for (int c = 0; c < ND / 2; ++c) {
+                const __m512i r0 = _mm512_loadu_si512(vb + (t0 + t) * D + c * 32);
+                const __m512i r1 = t + 1 < n ? _mm512_loadu_si512(vb + (t0 + t + 1) * D + c * 32) : _mm512_setzero_si512();
+                pair[2 * c] = _mm512_unpacklo_epi16(r0, r1);
+                pair[2 * c + 1] = _mm512_unpackhi_epi16(r0, r1);
+              }
+              for (int64_t g = 0; g < G; ++g) {
+                uint32_t pp;  // (p[t], p[t+1]); p of a dead lane is 0
+                std::memcpy(&pp, pb + g * 16 + t, 4);
+                const __m512bh pv = (__m512bh)_mm512_set1_epi32(static_cast<int>(pp));
+                for (int c = 0; c < ND; ++c) acc[g * ND + c] = _mm512_dpbf16_ps(acc[g * ND + c], (__m512bh)pair[c], pv);
+              }
+            }
+#endif
+          } else {
           for (int t = 0; t < n; ++t) {  // each value row read once, into every head's output
             __m512 vr[ND];
             const __m512 vsc = _mm512_set1_ps(scaled ? static_cast<float>(vsb[t0 + t]) : 1.f);
@@ -236,12 +261,23 @@ static void decode_kernel_avx512(const float* q, const KV* kc, const KV* vc, con
               for (int c = 0; c < ND; ++c) acc[g * ND + c] = _mm512_fmadd_ps(p, vr[c], acc[g * ND + c]);
             }
           }
+          }
         }
       }
       for (int64_t g = 0; g < G; ++g) {
         const __m512 inv = _mm512_set1_ps(l[g] > 0.f ? 1.f / l[g] : 0.f);
-        for (int c = 0; c < ND; ++c)
-          _mm512_storeu_ps(out + (b * H + h * G + g) * D + c * 16, _mm512_mul_ps(acc[g * ND + c], inv));
+        float* o = out + (b * H + h * G + g) * D;
+        if (bf16_dot) {  // 128-bit chunk i of the unpacked pair (lo, hi) holds d = 8i..8i+3 and 8i+4..8i+7
+          const __m512i first = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+          const __m512i second = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+          for (int c = 0; c < ND / 2; ++c) {
+            const __m512 lo = acc[g * ND + 2 * c], hi = acc[g * ND + 2 * c + 1];
+            _mm512_storeu_ps(o + c * 32, _mm512_mul_ps(_mm512_permutex2var_ps(lo, first, hi), inv));
+            _mm512_storeu_ps(o + c * 32 + 16, _mm512_mul_ps(_mm512_permutex2var_ps(lo, second, hi), inv));
+          }
+          continue;
+        }
+        for (int c = 0; c < ND; ++c) _mm512_storeu_ps(o + c * 16, _mm512_mul_ps(acc[g * ND + c], inv));
       }
     }
   });
