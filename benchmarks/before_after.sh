@@ -7,7 +7,8 @@
 # REF is checked out as a git worktree and installed in place of this tree for its half (the
 # plugin entry points are per install), then this tree is installed back. Each half writes
 # OUT_DIR/{before,after}/<run>/report.json and a step profile in OUT_DIR/{before,after}/profile-step; `python -m benchmarks.before_after_table OUT_DIR`
-# merges them into OUT_DIR/report.md.
+# merges them into OUT_DIR/report.md. `extras` adds this tree's own configurations (backend.compile,
+# scheduler=slo), reported beside the after half's default.
 set -euo pipefail
 REF="$1"
 OUT="$(realpath -m "$2")"
@@ -25,7 +26,14 @@ runs() {  # $1: tree, $2: label
       workload.prompt_len=64 workload.output_len=128 run.name=batch1 "run.report_dir=$OUT/$2" &&
     python "$HERE/benchmarks/profile_step.py" --out "$OUT/$2/profile-step")
 }
+extras() {  # configurations the earlier tree may lack, run on this tree only
+  python -m core compare -v "backend.compile=true" workload=decode_heavy run.name=decode_heavy-extra \
+    "run.report_dir=$OUT/after" &&
+  python -m core compare -v "scheduler=slo" -v "scheduler=slo backend.compile=true" workload=chat_longtail \
+    run.name=chat_longtail-extra "run.report_dir=$OUT/after"
+}
 runs "$TREE" before
 runs "$HERE" after
+extras
 git -C "$TREE" rev-parse HEAD > "$OUT/before/commit"
 { git -C "$HERE" rev-parse HEAD; git -C "$HERE" status --short -- . ":(exclude)$OUT" | head -1 | sed 's/^/dirty: /'; } > "$OUT/after/commit"

@@ -57,6 +57,12 @@ def main(argv=None) -> int:
                      f"{b[3]} | {a[3]} |")
         table.append({"run": key[0], "configuration": key[1], "before": before[key], "after": after[key],
                       "output_tok_s_ratio": ratio})
+    extra = sorted(set(after) - set(before))
+    if extra:
+        lines += ["\n## This tree only (configurations the earlier tree lacks), same session\n",
+                  "| run | configuration | output tok/s | TPOT p50 ms | TTFT p50 s | roofline |", "|---|---|---|---|---|---|"]
+        lines += [f"| {run} | {label} | " + " | ".join(cells(after[(run, label)])) + " |" for run, label in extra]
+        table += [{"run": run, "configuration": label, "after": after[(run, label)]} for run, label in extra]
     quant = quant_ratios(before, after)
     if quant:
         lines += ["\n## Quantized against bf16, within each half\n", "| run | configuration | before | after |",

@@ -34,8 +34,10 @@ def cpu_flags() -> str:
     return platform.processor()
 
 
-def build(stem: str, portable: bool = False, functions: list[str] | None = None, fast_math: bool = True):
-    """csrc/STEM.cpp compiled and loaded, or None if it cannot build. With `functions` it is a
+def build(stem: str, portable: bool = False, functions: list[str] | None = None, fast_math: bool = True,
+          parts: tuple[str, ...] = ()):
+    """csrc/STEM.cpp (then csrc/PART.cpp for each of `parts`, as one translation unit) compiled and
+    loaded, or None if it cannot build. With `functions` it is a
     Python module exposing them; without, a library registering torch ops (its namespace is the
     `SERVELAB_NS` macro, which the caller reads back from `namespace(...)`). `fast_math=False` for
     code whose float rounding must match its torch twin's exactly."""
@@ -44,7 +46,7 @@ def build(stem: str, portable: bool = False, functions: list[str] | None = None,
         return _built.get(key_id)
     from torch.utils.cpp_extension import load_inline
 
-    source = (CSRC / f"{stem}.cpp").read_text()
+    source = "\n".join((CSRC / f"{name}.cpp").read_text() for name in (stem, *parts))
     key = hashlib.sha1((source + cpu_flags() + torch.__version__ + str(portable) + ("" if fast_math else "exact"))
                        .encode()).hexdigest()[:12]
     name = f"servelab_{stem}_{key}"

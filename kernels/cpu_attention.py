@@ -5,7 +5,16 @@ the next-but-one block prefetched), for all of a KV head's query heads at once (
 repeating KV), with an online softmax in fp32; bf16, fp32 and the INT8 cache (per-token scales)
 are read as stored. Sequences x KV heads run in parallel on ATen's thread pool. On AVX-512
 machines tiles of 16 keys go through vector code (bf16 q.k as AVX512-BF16 pair products where the
-CPU has them); elsewhere a portable loop serves. The source is csrc/cpu_attention.cpp, built
+CPU has them, P.V too); elsewhere a portable loop serves.
+
+Paged prefill (csrc/cpu_prefill.cpp), the twin of kernels.attention.prefill_attention: every
+chunk of a step in one call, causal over its cached prefix, read in place. For a bf16 cache with
+head_dim 64 and AVX512-BF16, a task is a KV head of a tile of 16 queries (their G query heads
+each), handed out longest first; per key tile the keys are transposed once into (d, d+1) pairs,
+a key per lane, so a row's scores are pair products without horizontal sums. Elsewhere one query
+row at a time in plain C++ (callers keep SDPA there: `prefill_fast`).
+
+The source is csrc/cpu_attention.cpp with csrc/cpu_prefill.cpp, built
 once per machine with torch's cpp_extension (about half a minute, cached under
 ~/.cache/torch_extensions, keyed by the source and the CPU's flags); `available()` says whether
 it built, and the torch reference serves where it did not.
@@ -19,7 +28,8 @@ from kernels.cpp_build import build
 def load(portable: bool = False):
     """The compiled module (built on first use, then cached per machine), or None if it cannot build.
     `portable`: without the AVX-512 code, as machines without it build it (for tests)."""
-    return build("cpu_attention", portable, functions=["paged_decode", "write_kv", "write_and_decode"])
+    return build("cpu_attention", portable, parts=("cpu_prefill",),
+                 functions=["paged_decode", "write_kv", "write_and_decode", "paged_prefill", "prefill_fast"])
 
 
 def write_kv(k, v, k_cache, v_cache, slot_mapping, portable=False) -> None:
@@ -35,3 +45,14 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, k_s
                      portable=False):
     """Same arguments as kernels.attention.decode_attention (`packed` is not needed here)."""
     return load(portable).paged_decode(q, k_cache, v_cache, block_tables, context_lens, float(scale), k_scale, v_scale)
+
+
+def prefill_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, portable=False):
+    """kernels.attention.prefill_attention over a bf16 / fp32 cache: the chunks read in place, causal
+    over their cached prefix (csrc/cpu_prefill.cpp)."""
+    return load(portable).paged_prefill(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, float(scale))
+
+
+def prefill_fast(k_cache) -> bool:
+    """Whether the C++ prefill has its vector path for this cache here (bf16, head_dim 64, AVX512-BF16)."""
+    return bool(load().prefill_fast(k_cache))

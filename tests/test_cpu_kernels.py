@@ -28,6 +28,31 @@ def test_decode_matches_the_reference(group, d, dtype, portable):
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
+@pytest.mark.parametrize("group, d, dtype", [(3, 64, torch.bfloat16), (1, 64, torch.bfloat16), (4, 128, torch.bfloat16),
+                                             (3, 64, torch.float32)])
+def test_prefill_matches_the_reference(group, d, dtype, portable):
+    # fresh prompts, chunks over a cached prefix (one ending mid-block), a 1-query chunk; 40 > one
+    # tile of 16 queries, 100 > several blocks of keys
+    ctx_lens, q_lens = [40, 100, 37, 1, 18], [40, 30, 5, 1, 17]
+    kc, vc, _, bt = scattered_kv_cache(ctx_lens, 2, d, dtype, seed=group)
+    starts = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist())
+    q = torch.randn(int(starts[-1]), 2 * group, d, generator=torch.Generator().manual_seed(2)).to(dtype)
+    lens = torch.tensor(ctx_lens)
+    want = ref.prefill_attention(q, kc, vc, bt, lens, starts, 0.125)
+    got = cpu_attention.prefill_attention(q, kc, vc, bt, lens, starts, 0.125, portable=portable)
+    assert got.dtype == dtype
+    # bf16: P rounded to bf16 before P.V, and the output's own rounding (about 0.008 at 1-2)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_the_vector_prefill_serves_smollm2s_bf16_cache():
+    kc = torch.zeros(2, 3, 16, 64, dtype=torch.bfloat16)
+    assert cpu_attention.prefill_fast(kc) == ("avx512_bf16" in open("/proc/cpuinfo").read())
+    assert not cpu_attention.prefill_fast(kc.float())
+
+
 def test_shared_blocks_and_an_empty_row():
     kc, vc, _, bt = scattered_kv_cache([40], 1, 64, torch.float32, seed=5)
     bt = torch.cat([bt, bt, bt])  # three sequences over the same blocks (a shared prefix)

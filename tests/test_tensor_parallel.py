@@ -110,7 +110,11 @@ def test_two_ranks_match_one_on_the_real_model(quant):
     one = greedy([f"quant={quant}"], PROMPTS, 24)
     two = greedy([f"quant={quant}", "parallel.tensor_parallel_size=2"], PROMPTS, 24)
     assert_same_greedy(one, two, BF16_TIE)
-    assert sum(a.token_ids == b.token_ids for a, b in zip(one, two)) >= 2
+    # sequences part at exact bf16 ties (top two logits equal), so count the tokens compared before
+    # they part: most of them, or the check above would hold vacuously
+    compared = sum(next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), len(a.token_ids))
+                   for a, b in zip(one, two))
+    assert compared >= len(PROMPTS) * 24 // 2
 
 
 def test_torchrun_starts_the_ranks(tiny_llama):

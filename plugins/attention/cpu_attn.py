@@ -1,14 +1,19 @@
 """Attention backend `cpu`: decode rows (and rows of up to 8 queries, such as speculative verifies,
 a query at a time) through the C++ paged kernel of kernels.cpu_attention (blocks read in place,
-GQA without repeated KV, online softmax), prefill chunks through PyTorch's CPU flash attention
-(SDPA with the offset causal mask). `auto` picks it on the CPU
-whenever the C++ kernel builds, the torch reference otherwise."""
+GQA without repeated KV, online softmax), prefill chunks of a bf16 cache through the C++ paged
+prefill kernel (every chunk of the step in one call, causal over its cached prefix, read in
+place; about 2.5x PyTorch's CPU flash attention on a 512-token chunk), other caches through SDPA
+with the offset causal mask. `auto` picks it on the CPU whenever the C++ kernel builds, the torch
+reference otherwise."""
 
 from __future__ import annotations
 
+import torch
+
 from core.api import AttentionConfig, hookimpl
 from kernels import cpu_attention
-from plugins.attention.torch_ref import TorchAttention
+from kernels.attention import prefill_attention
+from plugins.attention.torch_ref import TorchAttention, split_rows
 
 
 class CPUAttention(TorchAttention):
@@ -26,6 +31,23 @@ class CPUAttention(TorchAttention):
                               "Python's headers); use attention=torch")
         super().__init__(config, device)
         self.kernels = cpu_attention.load()
+        self.fast_prefill = False  # set once the cache exists: bf16, head_dim 64, AVX512-BF16 here
+
+    def allocate_kv_cache(self, num_blocks, block_size, spec, device):
+        caches = super().allocate_kv_cache(num_blocks, block_size, spec, device)
+        self.fast_prefill = len(caches[0]) == 2 and cpu_attention.prefill_fast(caches[0][0])
+        return caches
+
+    def plan(self, meta):  # the C++ prefill needs no padded SDPA groups
+        return split_rows(meta, pack=False, group_prefill=not self.fast_prefill,
+                          decode_max_query_len=self.decode_max_query_len)
+
+    def prefill_kernel(self, q, k_cache, v_cache, block_tables, context_lens, starts, scale, k_scale=None,
+                       v_scale=None, host=None, groups=None) -> torch.Tensor:
+        if self.fast_prefill and k_scale is None:
+            return self.kernels.paged_prefill(q, k_cache, v_cache, block_tables, context_lens, starts, float(scale))
+        return prefill_attention(q, k_cache, v_cache, block_tables, context_lens, starts, scale, k_scale, v_scale,
+                                 host=host, groups=groups)
 
     def forward(self, q, k, v, kv_cache: tuple, meta, scale: float):
         if len(kv_cache) > 2:  # an int8 cache quantizes as it writes: the torch path
