@@ -4,6 +4,9 @@
 #
 #   bash benchmarks/before_after.sh REF OUT_DIR
 #
+# ONLY=before runs REF's half alone (into OUT, beside an after half already there: a second REF
+# measured against the same after half, in the same session).
+#
 # REF is checked out as a git worktree and installed in place of this tree for its half (the
 # plugin entry points are per install), then this tree is installed back. Each half writes
 # OUT_DIR/{before,after}/<run>/report.json and a step profile in OUT_DIR/{before,after}/profile-step; `python -m benchmarks.before_after_table OUT_DIR`
@@ -33,7 +36,8 @@ extras() {  # configurations the earlier tree may lack, run on this tree only
     run.name=chat_longtail-extra "run.report_dir=$OUT/after"
 }
 runs "$TREE" before
+git -C "$TREE" rev-parse HEAD > "$OUT/before/commit"
+[ "${ONLY:-}" = before ] && exit 0  # another REF's half beside an after half already in OUT
 runs "$HERE" after
 extras
-git -C "$TREE" rev-parse HEAD > "$OUT/before/commit"
 { git -C "$HERE" rev-parse HEAD; git -C "$HERE" status --short -- . ":(exclude)$OUT" | head -1 | sed 's/^/dirty: /'; } > "$OUT/after/commit"
