@@ -132,6 +132,34 @@ static inline __m512 hsum16(__m512* v) {
   return _mm512_permutexvar_ps(order, z);
 }
 
+#if defined(__AVX512BF16__)
+// P.V as bf16 pair products (P rounded to bf16, as flash attention's P.V GEMM does): value rows t
+// and t+1 interleaved word by word (row1 null past a tile's end) give each lane a (v[t][d],
+// v[t+1][d]) pair, so the rows are never widened. pair[2c] / pair[2c+1] cover d = 32c..32c+31 in
+// unpack order: 128-bit chunk i of (lo, hi) holds d = 8i..8i+3 and 8i+4..8i+7 (store_unpacked
+// undoes it). NP = head_dim / 32.
+template <int NP>
+static inline void value_pairs(const void* row0, const void* row1, __m512i* pair) {
+  for (int c = 0; c < NP; ++c) {
+    const __m512i r0 = _mm512_loadu_si512(static_cast<const char*>(row0) + c * 64);
+    const __m512i r1 = row1 ? _mm512_loadu_si512(static_cast<const char*>(row1) + c * 64) : _mm512_setzero_si512();
+    pair[2 * c] = _mm512_unpacklo_epi16(r0, r1);
+    pair[2 * c + 1] = _mm512_unpackhi_epi16(r0, r1);
+  }
+}
+
+// Accumulators in value_pairs' unpack order, times `inv`, stored to o[0..32 NP) in d order.
+template <int NP>
+static inline void store_unpacked(float* o, const __m512* acc, __m512 inv) {
+  const __m512i first = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+  const __m512i second = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+  for (int c = 0; c < NP; ++c) {
+    _mm512_storeu_ps(o + c * 32, _mm512_mul_ps(_mm512_permutex2var_ps(acc[2 * c], first, acc[2 * c + 1]), inv));
+    _mm512_storeu_ps(o + c * 32 + 16, _mm512_mul_ps(_mm512_permutex2var_ps(acc[2 * c], second, acc[2 * c + 1]), inv));
+  }
+}
+#endif
+
 template <typename KV, int ND, int GT>  // ND = head_dim / 16; GT = query heads per KV head, 0 = known at run time
 static void decode_kernel_avx512(const float* q, const KV* kc, const KV* vc, const at::Half* ks, const at::Half* vs,
                                  const int64_t* tables, const int64_t* ctx_lens, float* out, int64_t B, int64_t H,
@@ -226,20 +254,12 @@ static void decode_kernel_avx512(const float* q, const KV* kc, const KV* vc, con
           }
           if (bf16_dot) {
 #if defined(__AVX512BF16__)
-            // P.V as bf16 pair products (P rounded to bf16, as flash attention's P.V GEMM does): two
-            // value rows interleaved word by word give each lane a (v[t][d], v[t+1][d]) pair, so
-            // the rows are never widened; the accumulators hold d in unpack order (undone at the end)
-            alignas(64) uint16_t pb[16 * 16];
+            alignas(64) uint16_t pb[16 * 16];  // P.V as pair products: see value_pairs
             for (int64_t g = 0; g < G; ++g)
               _mm256_store_si256((__m256i*)(pb + g * 16), (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(s + g * 16)));
             for (int t = 0; t < n; t += 2) {
               __m512i pair[ND];
-              for (int c = 0; c < ND / 2; ++c) {
-                const __m512i r0 = _mm512_loadu_si512(vb + (t0 + t) * D + c * 32);
-                const __m512i r1 = t + 1 < n ? _mm512_loadu_si512(vb + (t0 + t + 1) * D + c * 32) : _mm512_setzero_si512();
-                pair[2 * c] = _mm512_unpacklo_epi16(r0, r1);
-                pair[2 * c + 1] = _mm512_unpackhi_epi16(r0, r1);
-              }
+              value_pairs<ND / 2>(vb + (t0 + t) * D, t + 1 < n ? vb + (t0 + t + 1) * D : nullptr, pair);
               for (int64_t g = 0; g < G; ++g) {
                 uint32_t pp;  // (p[t], p[t+1]); p of a dead lane is 0
                 std::memcpy(&pp, pb + g * 16 + t, 4);
@@ -267,16 +287,12 @@ static void decode_kernel_avx512(const float* q, const KV* kc, const KV* vc, con
       for (int64_t g = 0; g < G; ++g) {
         const __m512 inv = _mm512_set1_ps(l[g] > 0.f ? 1.f / l[g] : 0.f);
         float* o = out + (b * H + h * G + g) * D;
-        if (bf16_dot) {  // 128-bit chunk i of the unpacked pair (lo, hi) holds d = 8i..8i+3 and 8i+4..8i+7
-          const __m512i first = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
-          const __m512i second = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
-          for (int c = 0; c < ND / 2; ++c) {
-            const __m512 lo = acc[g * ND + 2 * c], hi = acc[g * ND + 2 * c + 1];
-            _mm512_storeu_ps(o + c * 32, _mm512_mul_ps(_mm512_permutex2var_ps(lo, first, hi), inv));
-            _mm512_storeu_ps(o + c * 32 + 16, _mm512_mul_ps(_mm512_permutex2var_ps(lo, second, hi), inv));
-          }
+#if defined(__AVX512BF16__)
+        if (bf16_dot) {
+          store_unpacked<ND / 2>(o, acc + g * ND, inv);
           continue;
         }
+#endif
         for (int c = 0; c < ND; ++c) _mm512_storeu_ps(o + c * 16, _mm512_mul_ps(acc[g * ND + c], inv));
       }
     }

@@ -114,8 +114,7 @@ static inline void rows_step(int64_t r0, int64_t kpos, int n, int64_t pos0, int6
 // bf16 q and cache, head_dim 64. A task is one KV head of one chunk's tile of QT query positions:
 // its QT x G query rows walk the key blocks up to the tile's last position. Per block, the keys
 // are transposed once into (d, d+1) pairs with a key per lane, so each row's 16 scores are 32
-// AVX512-BF16 pair products and no horizontal sums; the values interleave row pairs as in the
-// decode kernel, so P.V is pair products too (P rounded to bf16, as flash attention does).
+// AVX512-BF16 pair products and no horizontal sums; P.V is pair products too (value_pairs).
 static void prefill_bf16_d64(const at::BFloat16* q, const at::BFloat16* kc, const at::BFloat16* vc,
                              const int64_t* tables, const int64_t* ctx_lens, const int64_t* starts, float* out,
                              int64_t S, int64_t H, int64_t KVH, int64_t BS, int64_t W, int64_t stride_blk, float scale) {
@@ -134,7 +133,7 @@ static void prefill_bf16_d64(const at::BFloat16* q, const at::BFloat16* kc, cons
   const int64_t n_tasks = static_cast<int64_t>(tasks.size());
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<uint32_t> qp(R * DP);            // the rows' queries as bf16 pairs
-    std::vector<__m512> acc(R * 4);              // their outputs, d in unpack order (see the decode kernel)
+    std::vector<__m512> acc(R * 4);              // their outputs, d in value_pairs' unpack order
     std::vector<float> m(R), l(R);
     alignas(64) __m512i kt[DP], vp[8][4];
     for (int64_t i = next++; i < n_tasks; i = next++) {
@@ -163,12 +162,7 @@ static void prefill_bf16_d64(const at::BFloat16* q, const at::BFloat16* kc, cons
             for (int c = 0; c < 16; ++c) kt[half * 16 + c] = rows16[c];
           }
           for (int j = 0; j < n; j += 2)
-            for (int c = 0; c < 2; ++c) {
-              const __m512i r0 = _mm512_loadu_si512(vb + (j0 + j) * D + c * 32);
-              const __m512i r1 = j + 1 < n ? _mm512_loadu_si512(vb + (j0 + j + 1) * D + c * 32) : _mm512_setzero_si512();
-              vp[j / 2][2 * c] = _mm512_unpacklo_epi16(r0, r1);
-              vp[j / 2][2 * c + 1] = _mm512_unpackhi_epi16(r0, r1);
-            }
+            value_pairs<2>(vb + (j0 + j) * D, j + 1 < n ? vb + (j0 + j + 1) * D : nullptr, vp[j / 2]);
           const int64_t kpos = start + j0;  // position of lane 0's key
           int64_t r = 0;
           while (r < rows && first + tk.t0 + r / G < kpos) ++r;  // rows whose keys here are all in the future
@@ -176,17 +170,9 @@ static void prefill_bf16_d64(const at::BFloat16* q, const at::BFloat16* kc, cons
           for (; r < rows; ++r) rows_step<1>(r, kpos, n, first + tk.t0, G, kt, vp, qp.data(), acc.data(), m.data(), l.data(), scale);
         }
       }
-      const __m512i first_half = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
-      const __m512i second_half = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t t = starts[tk.s] + tk.t0 + r / G, hq = tk.h * G + r % G;
-        float* o = out + (t * H + hq) * D;
-        const __m512 inv = _mm512_set1_ps(1.f / l[r]);
-        for (int c = 0; c < 2; ++c) {
-          const __m512 lo = acc[r * 4 + 2 * c], hi = acc[r * 4 + 2 * c + 1];
-          _mm512_storeu_ps(o + c * 32, _mm512_mul_ps(_mm512_permutex2var_ps(lo, first_half, hi), inv));
-          _mm512_storeu_ps(o + c * 32 + 16, _mm512_mul_ps(_mm512_permutex2var_ps(lo, second_half, hi), inv));
-        }
+        store_unpacked<2>(out + (t * H + hq) * D, &acc[r * 4], _mm512_set1_ps(1.f / l[r]));
       }
     }
   });
