@@ -1,4 +1,5 @@
-"""Decode attention on this machine against its KV-read floor: `python -m benchmarks.decode_attention`.
+"""Decode attention on this machine against its KV-read floor, and the C++ prefill beside SDPA:
+`python -m benchmarks.decode_attention`.
 
 Each implementation (the torch reference, the C++ kernel) over paged caches of SmolLM2's geometry
 (9 query heads, 3 KV heads, head_dim 64, blocks of 16, scattered): bytes of K and V read per call
@@ -75,6 +76,30 @@ def case(b: int, ctx: int, dtype, probe: torch.Tensor) -> list[str]:
     return rows
 
 
+PREFILL_CASES = [(0, 512), (1024, 512), (0, 2048)]  # (cached prefix, chunk) of one sequence
+
+
+def prefill_case(prefix: int, chunk: int) -> str:
+    """The C++ paged prefill against the reference's padded SDPA call (PyTorch's CPU flash
+    attention), one bf16 chunk over its cached prefix, rounds alternating between the two."""
+    bs, ctx = 16, prefix + chunk
+    nb = -(-ctx // bs)
+    g = torch.Generator().manual_seed(0)
+    kc, vc = (torch.randn(nb, 3, bs, 64, generator=g).bfloat16() for _ in range(2))
+    tables, lens = torch.randperm(nb, generator=g)[None], torch.tensor([ctx])
+    starts, q = torch.tensor([0, chunk]), torch.randn(chunk, 9, 64, generator=g).bfloat16()
+    groups = ref.plan_prefill(tables, [0, chunk], [ctx], bs)
+    sdpa = lambda: ref.prefill_attention(q, kc, vc, tables, lens, starts, 0.125, groups=groups)  # noqa: E731
+    cpp = lambda: cpu_attention.prefill_attention(q, kc, vc, tables, lens, starts, 0.125)  # noqa: E731
+    sdpa(), cpp()
+    times = [(median_seconds(sdpa, CALLS), median_seconds(cpp, CALLS)) for _ in range(ROUNDS)]
+    t_sdpa, t_cpp = (statistics.median(t[i] for t in times) for i in (0, 1))
+    flops = 4 * 9 * 64 * (chunk * prefix + chunk * (chunk + 1) / 2)
+    ratios = sorted(a / b for a, b in times)
+    return (f"| {prefix} | {chunk} | {t_sdpa * 1e3:.2f} | {t_cpp * 1e3:.2f} | {flops / t_cpp / 1e9:.0f} | "
+            f"{t_sdpa / t_cpp:.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f}) |")
+
+
 def main(argv=None) -> int:
     from core.bench.roofline import machine_rates
 
@@ -91,6 +116,10 @@ def main(argv=None) -> int:
              "|---|---|---|---|---|---|"]
     for b, ctx, dtype in CASES:
         lines += case(b, ctx, dtype, probe)
+    lines += ["\n## Prefill: the C++ kernel beside PyTorch's CPU flash attention (SDPA), bf16\n",
+              f"Median of {ROUNDS} rounds, each the median of {CALLS} calls of either; the ratio's range is over the rounds.\n",
+              "| cached prefix | chunk | SDPA ms | C++ ms | C++ GFLOP/s | SDPA / C++ |", "|---|---|---|---|---|---|"]
+    lines += [prefill_case(prefix, chunk) for prefix, chunk in PREFILL_CASES]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.md").write_text("\n".join(lines) + "\n")
