@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Goodput against offered rate on chat_longtail (Poisson arrivals, the workload's targets: TTFT 3 s,
 # TPOT 150 ms), for static, continuous and slo side by side in one run, plus slo with load shedding
-# at the two highest rates; the report states each configuration's SLO capacity:
+# at the three highest rates; the report states each configuration's SLO capacity:
 #
-#   bash benchmarks/slo_capacity.sh [OUT_DIR]     (default reports; about 40 minutes on 2 cores)
+#   bash benchmarks/slo_capacity.sh [OUT_DIR]     (default reports; about 45 minutes on 2 cores)
 #
 # Then the locust ramp (closed loop, 1 to 8 users, the same targets) against `serve scheduler=slo`
 # and, beside it, `serve scheduler=continuous` (about 10 minutes):
@@ -31,11 +31,11 @@ if [[ "${2:-}" == "ramp" ]]; then
   done
   exit 0
 fi
-RATES=(0.2 0.3 0.45 0.6)
+RATES=(0.2 0.4 0.6 0.8 1.0 1.3)
 VARIANTS=()
 for s in static continuous slo; do
   for r in "${RATES[@]}"; do VARIANTS+=(-v "scheduler=$s workload.rate=$r"); done
 done
-for r in 0.45 0.6; do VARIANTS+=(-v "scheduler=slo run.shed=true workload.rate=$r"); done
+for r in 0.8 1.0 1.3; do VARIANTS+=(-v "scheduler=slo run.shed=true workload.rate=$r"); done
 python -m core compare "${VARIANTS[@]}" workload=chat_longtail workload.arrival=poisson workload.num_requests=40 \
   run.name=slo-capacity-chat_longtail "run.report_dir=$OUT"
