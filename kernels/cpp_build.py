@@ -40,18 +40,19 @@ def build(stem: str, portable: bool = False, functions: list[str] | None = None,
     loaded, or None if it cannot build. With `functions` it is a
     Python module exposing them; without, a library registering torch ops (its namespace is the
     `SERVELAB_NS` macro, which the caller reads back from `namespace(...)`). `fast_math=False` for
-    code whose float rounding must match its torch twin's exactly."""
+    code whose float rounding must match its torch twin's exactly (no fast-math, and no a * b + c
+    contracted into one fused multiply-add, which rounds once where torch rounds twice)."""
     key_id = (stem, portable)
     if key_id in _built or stem in _failed or os.environ.get("SERVELAB_NO_CPP") == "1":
         return _built.get(key_id)
     from torch.utils.cpp_extension import load_inline
 
     source = "\n".join((CSRC / f"{name}.cpp").read_text() for name in (stem, *parts))
-    key = hashlib.sha1((source + cpu_flags() + torch.__version__ + str(portable) + ("" if fast_math else "exact"))
-                       .encode()).hexdigest()[:12]
+    exact = "" if fast_math else "exact-nocontract"
+    key = hashlib.sha1((source + cpu_flags() + torch.__version__ + str(portable) + exact).encode()).hexdigest()[:12]
     name = f"servelab_{stem}_{key}"
     flags = ["-O3", "-march=native", "-fopenmp", f"-DSERVELAB_NS={namespace(stem, portable)}"]
-    flags += ["-ffast-math"] if fast_math else []
+    flags += ["-ffast-math"] if fast_math else ["-ffp-contract=off"]
     try:
         module = load_inline(name=name, cpp_sources=[source], functions=functions,
                              extra_cflags=flags + (["-DSERVELAB_PORTABLE"] if portable else []),

@@ -1,4 +1,5 @@
-"""RMSNorm, fused with the residual add: the torch reference and the dispatch to its Triton twin.
+"""RMSNorm, fused with the residual add: the torch reference and the dispatch to its Triton twin
+(CUDA) or its C++ twin (the eager CPU forward, kernels.cpu_ops).
 
 With a residual, `x + residual` becomes the new residual and is normalized, in one pass (the
 pre-norm decoder layer's pattern), instead of an add and a norm that each read the row.
@@ -26,4 +27,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
         from kernels.triton_ops import rms_norm as triton_rms_norm
 
         return triton_rms_norm(x, weight, eps, residual)
+    from kernels import cpu_ops
+
+    if cpu_ops.use_cpu_ops(x, weight, residual):
+        return cpu_ops.rms_norm(x, weight, eps, residual)
     return rms_norm_ref(x, weight, eps, residual)

@@ -1,5 +1,6 @@
 """Rotary position embedding (rotate-half, the Hugging Face layout) of q and k together: the torch
-reference and the dispatch to its Triton twin. cos/sin are fp32 tables [max_len, head_dim / 2]."""
+reference and the dispatch to its Triton twin (CUDA) or its C++ twin (the eager CPU forward,
+kernels.cpu_ops). cos/sin are fp32 tables [max_len, head_dim / 2]."""
 
 from __future__ import annotations
 
@@ -25,4 +26,8 @@ def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch
         from kernels.triton_ops import rotary as triton_rotary
 
         return triton_rotary(q, k, positions, cos, sin)
+    from kernels import cpu_ops
+
+    if cpu_ops.use_cpu_ops(q, k) and cos.dtype == sin.dtype == torch.float32:
+        return cpu_ops.rotary(q, k, positions.long(), cos, sin)
     return rotary_ref(q, k, positions, cos, sin)

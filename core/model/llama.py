@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from core.runner.metadata import AttentionMetadata
+from kernels.activation import silu_mul
 from kernels.attention import causal_attention
 from kernels.norm import rms_norm
 from kernels.rotary import rotary
@@ -173,7 +173,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x) if self.gate_up_proj is not None else (self.gate_proj(x), self.up_proj(x))
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(gate, up))
 
 
 class DecoderLayer(nn.Module):

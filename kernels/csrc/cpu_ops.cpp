@@ -1,0 +1,204 @@
+// The eager CPU forward's elementwise ops, one pass each: see kernels/cpu_ops.py.
+//
+// Plain loops the compiler vectorizes (-O3 -march=native, `omp simd` for the reductions), rounded
+// the way their torch twins round: every intermediate their twin stores in the model's dtype is
+// rounded here too, and the build keeps float contraction off, so rotary is bit-exact and the
+// others differ from torch only by the order of a row's sum and by exp's last bit.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+inline float load_f(const float* p, int64_t i) { return p[i]; }
+inline float load_f(const at::BFloat16* p, int64_t i) {
+  const uint32_t u = uint32_t(reinterpret_cast<const uint16_t*>(p)[i]) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t bf16_bits(float f) {  // round to nearest even, as c10::BFloat16 does; NaN stays NaN
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return f != f ? uint16_t(0x7FC0) : uint16_t(u >> 16);
+}
+
+inline void store_f(float* p, int64_t i, float v) { p[i] = v; }
+inline void store_f(at::BFloat16* p, int64_t i, float v) { reinterpret_cast<uint16_t*>(p)[i] = bf16_bits(v); }
+
+// v as the element type stores it (what torch's twin reads back after writing an intermediate)
+inline float as_stored(float v, const float*) { return v; }
+inline float as_stored(float v, const at::BFloat16*) {
+  const uint32_t u = uint32_t(bf16_bits(v)) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline float exp_f(float x) {  // 2^n * p(r) with |r| <= ln2 / 2: within 2 ulp, and it vectorizes
+  x = std::min(std::max(x, -87.3f), 88.3f);
+  const float n = std::rint(x * 1.44269504088896341f);
+  const float r = (x - n * 0.693145751953125f) - n * 1.42860682030941723212e-6f;
+  const float p = 1.f + r * (1.f + r * (0.5f + r * (1.6666667e-1f + r * (4.1666668e-2f + r * (8.3333338e-3f +
+                  r * 1.3888889e-3f)))));
+  const uint32_t bits = uint32_t(int32_t(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+int64_t grain_rows(int64_t width) { return std::max<int64_t>(1, 16384 / std::max<int64_t>(width, 1)); }
+
+template <typename T>
+void rms_rows(const T* x, int64_t x_stride, const T* res, int64_t res_stride, const T* w, T* out, T* res_out,
+              int64_t rows, int64_t n, float eps) {
+  at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+    std::vector<float> s(n);
+    for (int64_t i = begin; i < end; ++i) {
+      const T* xr = x + i * x_stride;
+      float acc = 0.f;
+      if (res) {  // the residual add first, stored (and so rounded) as the new residual
+        const T* rr = res + i * res_stride;
+        T* ro = res_out + i * n;
+#pragma omp simd reduction(+ : acc)
+        for (int64_t j = 0; j < n; ++j) {
+          const float v = as_stored(load_f(xr, j) + load_f(rr, j), xr);
+          store_f(ro, j, v);
+          s[j] = v;
+          acc += v * v;
+        }
+      } else {
+#pragma omp simd reduction(+ : acc)
+        for (int64_t j = 0; j < n; ++j) {
+          const float v = load_f(xr, j);
+          s[j] = v;
+          acc += v * v;
+        }
+      }
+      const float inv = 1.f / std::sqrt(acc / float(n) + eps);
+      T* o = out + i * n;
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) store_f(o, j, load_f(w, j) * as_stored(s[j] * inv, xr));
+    }
+  });
+}
+
+template <typename T>
+void rotate(const T* x, int64_t s0, int64_t s1, T* out, int64_t tokens, int64_t heads, int64_t dim,
+            const int64_t* pos, const float* cos, const float* sin, int64_t table_stride) {
+  const int64_t half = dim / 2;
+  at::parallel_for(0, tokens, grain_rows(heads * dim), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cos + pos[t] * table_stride;
+      const float* sn = sin + pos[t] * table_stride;
+      for (int64_t h = 0; h < heads; ++h) {
+        const T* xr = x + t * s0 + h * s1;
+        T* o = out + (t * heads + h) * dim;
+#pragma omp simd
+        for (int64_t j = 0; j < half; ++j) {
+          const float x1 = load_f(xr, j), x2 = load_f(xr, j + half);
+          store_f(o, j, x1 * c[j] - x2 * sn[j]);
+          store_f(o, j + half, x2 * c[j] + x1 * sn[j]);
+        }
+      }
+    }
+  });
+}
+
+template <typename T>
+void silu_mul_rows(const T* gate, int64_t g_stride, const T* up, int64_t u_stride, T* out, int64_t rows,
+                   int64_t n) {
+  at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const T* g = gate + i * g_stride;
+      const T* u = up + i * u_stride;
+      T* o = out + i * n;
+#pragma omp simd
+      for (int64_t j = 0; j < n; ++j) {
+        const float v = load_f(g, j);
+        store_f(o, j, as_stored(v / (1.f + exp_f(-v)), g) * load_f(u, j));
+      }
+    }
+  });
+}
+
+template <typename F>
+void by_dtype(at::ScalarType dtype, F&& f) {  // bf16 or fp32, as check_rows allows
+  if (dtype == at::kBFloat16) f(at::BFloat16{});
+  else f(float{});
+}
+
+void check_rows(const torch::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be 2-D with contiguous rows");
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kFloat, name, " must be bf16 or fp32");
+}
+
+}  // namespace
+
+// norm(x) [rows, n], or with a residual: [norm(x + residual), x + residual]
+std::vector<torch::Tensor> rms_norm(torch::Tensor x, torch::Tensor weight, double eps,
+                                    c10::optional<torch::Tensor> residual) {
+  check_rows(x, "x");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous() && weight.numel() == x.size(1),
+              "weight must be contiguous, of x's dtype and row length");
+  const int64_t rows = x.size(0), n = x.size(1);
+  auto out = torch::empty({rows, n}, x.options());
+  torch::Tensor res_out;
+  if (residual) {
+    check_rows(*residual, "residual");
+    TORCH_CHECK(residual->sizes() == x.sizes() && residual->scalar_type() == x.scalar_type(),
+                "residual must match x");
+    res_out = torch::empty({rows, n}, x.options());
+  }
+  by_dtype(x.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* res = residual ? residual->data_ptr<scalar_t>() : nullptr;
+    rms_rows<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), res, residual ? residual->stride(0) : 0,
+                       weight.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(),
+                       residual ? res_out.data_ptr<scalar_t>() : nullptr, rows, n, float(eps));
+  });
+  if (residual) return {out, res_out};
+  return {out};
+}
+
+// x [tokens, heads, dim] (any token and head strides, contiguous dim) rotated at `positions`:
+// rotate-half against fp32 tables cos / sin [max_len, dim / 2]; a new contiguous tensor
+torch::Tensor rotary(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && x.size(2) % 2 == 0, "x must be [tokens, heads, even dim]");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat, "x must be bf16 or fp32");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous() && positions.numel() == x.size(0),
+              "positions must be int64, one per token");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.sizes() == sin.sizes() && cos.size(1) == x.size(2) / 2,
+              "cos and sin must be contiguous fp32 [max_len, dim / 2]");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < positions.numel(); ++t)
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "position ", pos[t], " is outside the rotary table");
+  auto out = torch::empty({x.size(0), x.size(1), x.size(2)}, x.options());
+  by_dtype(x.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    rotate<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), x.stride(1), out.data_ptr<scalar_t>(), x.size(0),
+                     x.size(1), x.size(2), pos, cos.data_ptr<float>(), sin.data_ptr<float>(), cos.stride(0));
+  });
+  return out;
+}
+
+// silu(gate) * up, rows [rows, n] each (strided rows: they are halves of one gate-up matmul)
+torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up) {
+  check_rows(gate, "gate");
+  check_rows(up, "up");
+  TORCH_CHECK(gate.sizes() == up.sizes() && gate.scalar_type() == up.scalar_type(), "gate and up must match");
+  auto out = torch::empty(gate.sizes(), gate.options());
+  by_dtype(gate.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    silu_mul_rows<scalar_t>(gate.data_ptr<scalar_t>(), gate.stride(0), up.data_ptr<scalar_t>(), up.stride(0),
+                            out.data_ptr<scalar_t>(), gate.size(0), gate.size(1));
+  });
+  return out;
+}
