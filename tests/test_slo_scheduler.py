@@ -96,6 +96,33 @@ def test_without_decodes_a_prefill_takes_the_whole_budget():
     assert [x.num_new_tokens for x in run_step(s).scheduled] == [700]
 
 
+def test_one_prompt_at_a_time_is_prefilled_in_deadline_order():
+    # 3 decodes run; the 0.1 s target leaves room for 87 prefill tokens a step (10 ms + 1 ms a token)
+    s = slo(long_prefill_token_threshold=2048)
+    for i in range(3):
+        s.add(seq(4, max_tokens=60, start=100 * i))
+    run_step(s)
+    late, early = seq(120, max_tokens=2, arrival=0.0, ttft=5.0, start=5000), seq(120, max_tokens=2, arrival=0.1,
+                                                                               ttft=1.0, start=6000)
+    s.add(late)
+    s.add(early)
+    steps = []
+    for _ in range(3):
+        out = run_step(s)
+        steps.append([(x.seq is early, x.num_new_tokens) for x in out.scheduled if x.seq in (early, late)])
+    # the earliest deadline alone until its last chunk; the next starts in that same step, in the room left
+    assert steps == [[(True, 87)], [(True, 33), (False, 54)], [(True, 1), (False, 66)]]
+    assert SloSchedulerConfig(name="slo").max_num_partial_prefills == 1  # the default, as conf/scheduler/slo.yaml
+
+
+@pytest.mark.parametrize("partial, started", [(1, [512]), (4, [512, 512])])
+def test_a_second_prompt_waits_while_the_first_is_mid_prefill(partial, started):
+    s = slo(max_num_partial_prefills=partial)  # no decode runs: no ceiling, prompts capped at 512 a step
+    for i in range(2):
+        s.add(seq(600, max_tokens=2, arrival=0.1 * i, start=1000 * i))
+    assert [x.num_new_tokens for x in run_step(s).scheduled] == started
+
+
 def test_a_tight_target_still_lets_the_minimum_prefill_through():
     s = slo(tpot_target_s=0.012)  # the decode alone (11 ms) nearly fills the step
     d = seq(4, max_tokens=50)

@@ -122,7 +122,9 @@ class ContinuousScheduler(QueueScheduler):
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         self.waiting.sort(key=self._order_key)
-        partial = [s for s in self.running if s.in_prefill]
+        chunk = {x.seq.seq_id: x.num_new_tokens for x in out.scheduled}
+        # prompts still mid-prefill after this step's chunks (one whose last chunk runs now frees its place)
+        partial = [s for s in self.running if s.in_prefill and s.num_computed_tokens + chunk.get(s.seq_id, 0) < s.num_tokens]
         num_partial, num_long = len(partial), sum(self._is_long(s) for s in partial)
         admitted = set()
         for seq in self.waiting:
