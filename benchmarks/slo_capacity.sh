@@ -10,6 +10,11 @@
 #
 #   bash benchmarks/slo_capacity.sh [OUT_DIR] ramp
 #
+# Past the sweep's last rate: continuous, slo and slo with shedding at 1.6 req/s, shedding at 2.0
+# (about 6 minutes):
+#
+#   bash benchmarks/slo_capacity.sh [OUT_DIR] past
+#
 # And load shedding past the knee (continuous, slo, slo with run.shed=true at 0.6 and 0.8 req/s):
 #
 #   bash benchmarks/slo_capacity.sh [OUT_DIR] shed
@@ -22,6 +27,13 @@ if [[ "${2:-}" == "shed" ]]; then
   done
   python -m core compare "${SHED[@]}" workload=chat_longtail workload.arrival=poisson workload.num_requests=40 \
     run.name=slo-shedding-chat_longtail "run.report_dir=$OUT"
+  exit 0
+fi
+if [[ "${2:-}" == "past" ]]; then
+  python -m core compare -v "scheduler=continuous workload.rate=1.6" -v "scheduler=slo workload.rate=1.6" \
+    -v "scheduler=slo run.shed=true workload.rate=1.6" -v "scheduler=slo run.shed=true workload.rate=2.0" \
+    workload=chat_longtail workload.arrival=poisson workload.num_requests=40 \
+    run.name=slo-capacity-chat_longtail-past "run.report_dir=$OUT"
   exit 0
 fi
 if [[ "${2:-}" == "ramp" ]]; then
