@@ -1,7 +1,7 @@
 """Scheduler `slo`: plan every step against the requests' TTFT and TPOT targets (goodput first).
 
 It is the continuous scheduler (same queues, chunked prefill, preemption by recompute) with
-four changes, all driven by the engine's online step-cost model (`context.cost_model`):
+five changes, four of them driven by the engine's online step-cost model (`context.cost_model`):
 
 - **Stall-free chunks** (Sarathi-Serve): running decodes are scheduled first; then each prefill
   chunk is cut to the largest size whose predicted step time stays within the tightest TPOT
