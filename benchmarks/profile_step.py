@@ -2,7 +2,8 @@
 
 Two steps of the default engine on the embedded model (bf16, continuous + paged), under the torch
 profiler: a decode-only step of 64 rows (64 sequences with 128-token prompts, all prefilled), and
-a mixed step of those decodes plus one 512-token prefill chunk. Each is printed twice: by operator
+a mixed step of those decodes plus one 512-token prefill chunk, and a decode step of one sequence
+(batch 1, where the fixed cost of a step shows). Each is printed twice: by operator
 (torch's own names) and by servelab stage (the engine's components, wrapped in profiler ranges
 here, so production code carries no instrumentation). Writes report.md with both tables.
 """
@@ -130,12 +131,15 @@ def main(argv=None) -> int:
 
     mixed_md, mixed_wall = profile_steps(engine, "Mixed step: 64 decodes + one 512-token prefill chunk",
                                          args.steps, mixed_step)
+    single = decoding_engine(args.overrides, rows=1)
+    instrument(single)
+    single_md, _ = profile_steps(single, "Decode step, batch 1", args.steps * 4, single.step)
     from core.bench.roofline import machine_info
 
     m = machine_info()
     md = (f"# Where a step's time goes\n\n- machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}\n"
           f"- engine: the default (continuous + paged, bf16), overrides: `{' '.join(args.overrides) or 'none'}`\n"
-          f"- made by `python -m benchmarks.profile_step`\n\n{decode_md}\n{mixed_md}")
+          f"- made by `python -m benchmarks.profile_step`\n\n{decode_md}\n{mixed_md}\n{single_md}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.md").write_text(md)

@@ -30,7 +30,8 @@ _enabled = True
 
 def load():
     """The compiled module (built on first use, then cached per machine), or None if it cannot build."""
-    return build("cpu_ops", fast_math=False, functions=["rms_norm", "rotary", "silu_mul"])
+    return build("cpu_ops", fast_math=False, parts=("cpu_gemv",),
+                 functions=["rms_norm", "rotary", "silu_mul", "bf16_linear", "bf16_dot_native"])
 
 
 def use_cpu_ops(*tensors: torch.Tensor | None) -> bool:

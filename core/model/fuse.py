@@ -36,10 +36,10 @@ def concat_rows(mods: list[nn.Module]) -> nn.Module | None:
     if len(kinds) != 1 or len(biased) != 1:
         return None
     kind = kinds.pop()
-    if kind is nn.Linear:
+    if issubclass(kind, nn.Linear):
         w = torch.cat([m.weight.data for m in mods])
         # no initialisation: the concatenated weights replace it at once
-        lin = nn.utils.skip_init(nn.Linear, w.shape[1], w.shape[0], bias=biased.pop(), device=w.device, dtype=w.dtype)
+        lin = nn.utils.skip_init(kind, w.shape[1], w.shape[0], bias=biased.pop(), device=w.device, dtype=w.dtype)
         lin.weight.data = w
         if lin.bias is not None:
             lin.bias.data = torch.cat([m.bias.data for m in mods])

@@ -18,6 +18,7 @@ from torch import nn
 from core.runner.metadata import AttentionMetadata
 from kernels.activation import silu_mul
 from kernels.attention import causal_attention
+from kernels.linear import Linear
 from kernels.norm import rms_norm
 from kernels.rotary import rotary
 
@@ -141,10 +142,10 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         h = args.hidden_size
-        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=args.qkv_bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=args.qkv_bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=args.qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=args.o_bias)
+        self.q_proj = Linear(h, self.num_heads * self.head_dim, bias=args.qkv_bias)
+        self.k_proj = Linear(h, self.num_kv_heads * self.head_dim, bias=args.qkv_bias)
+        self.v_proj = Linear(h, self.num_kv_heads * self.head_dim, bias=args.qkv_bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, h, bias=args.o_bias)
         self.qkv_proj = None  # q/k/v as one matmul, once core.model.fuse has merged them
         self.scale = self.head_dim**-0.5
 
@@ -166,9 +167,9 @@ class MLP(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         h, i = args.hidden_size, args.intermediate_size
-        self.gate_proj = nn.Linear(h, i, bias=args.mlp_bias)
-        self.up_proj = nn.Linear(h, i, bias=args.mlp_bias)
-        self.down_proj = nn.Linear(i, h, bias=args.mlp_bias)
+        self.gate_proj = Linear(h, i, bias=args.mlp_bias)
+        self.up_proj = Linear(h, i, bias=args.mlp_bias)
+        self.down_proj = Linear(i, h, bias=args.mlp_bias)
         self.gate_up_proj = None  # gate/up as one matmul, once core.model.fuse has merged them
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -209,7 +210,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.args = args
         self.model = Backbone(args)
-        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.lm_head = Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rope = RotaryEmbedding(args, max_model_len or args.max_position_embeddings)

@@ -99,7 +99,7 @@ def plan_shard(args, rank: int, world: int) -> Shard:
 
 def _linear(lin: nn.Linear, rows: slice | None = None, cols: slice | None = None, bias: bool = True) -> nn.Linear:
     w = lin.weight.data
-    out = nn.Linear(1, 1, bias=False, device=w.device, dtype=w.dtype)
+    out = type(lin)(1, 1, bias=False, device=w.device, dtype=w.dtype)
     out.weight = nn.Parameter(w[rows or slice(None), cols or slice(None)].contiguous(), requires_grad=False)
     out.in_features, out.out_features = out.weight.shape[1], out.weight.shape[0]
     if lin.bias is not None and bias:
