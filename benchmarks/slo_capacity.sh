@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
 # Goodput against offered rate on chat_longtail (Poisson arrivals, the workload's targets: TTFT 3 s,
-# TPOT 150 ms), for static (to 0.6 req/s: it misses from the first rate), continuous and slo (to
-# 2.0 req/s) side by side in one run, plus slo with load shedding from 0.8 req/s; the report states
-# each configuration's SLO capacity:
+# TPOT 150 ms), for static (at its own low rates: it misses from the first), continuous and slo side
+# by side in one run, plus slo with load shedding from the third rate on; the report states each
+# configuration's SLO capacity:
 #
-#   bash benchmarks/slo_capacity.sh [OUT_DIR]     (default reports; about 45 minutes on 2 cores)
+#   bash benchmarks/slo_capacity.sh [OUT_DIR]     (default reports; about 25 minutes on 2 cores)
+#
+# The rates suit the machine kind it was last run on (2-core EPYC serving about 2.1 req/s at most);
+# on another, set RATES (continuous and slo), STATIC_RATES and NUM_REQUESTS (a point; default 80):
+#
+#   RATES="0.4 0.6 0.8 1.0 1.3 1.6 2.0" STATIC_RATES="0.2 0.4" bash benchmarks/slo_capacity.sh
 #
 # Then the locust ramp (closed loop, 1 to 8 users, the same targets) against `serve scheduler=slo`
 # and, beside it, `serve scheduler=continuous` (about 10 minutes):
@@ -32,12 +37,14 @@ if [[ "${2:-}" == "ramp" ]]; then
   done
   exit 0
 fi
-RATES=(0.4 0.6 0.8 1.0 1.3 1.6 2.0)
+read -r -a RATES <<< "${RATES:-1.0 1.5 2.0 2.5 3.0 4.0 5.0}"
+read -r -a STATIC_RATES <<< "${STATIC_RATES:-0.2 0.4}"
+N="${NUM_REQUESTS:-80}"
 VARIANTS=()
-for r in 0.2 0.4 0.6; do VARIANTS+=(-v "scheduler=static workload.rate=$r"); done
+for r in "${STATIC_RATES[@]}"; do VARIANTS+=(-v "scheduler=static workload.rate=$r"); done
 for s in continuous slo; do
   for r in "${RATES[@]}"; do VARIANTS+=(-v "scheduler=$s workload.rate=$r"); done
 done
 for r in "${RATES[@]:2}"; do VARIANTS+=(-v "scheduler=slo run.shed=true workload.rate=$r"); done
-python -m core compare "${VARIANTS[@]}" workload=chat_longtail workload.arrival=poisson workload.num_requests=40 \
+python -m core compare "${VARIANTS[@]}" workload=chat_longtail workload.arrival=poisson "workload.num_requests=$N" \
   run.name=slo-capacity-chat_longtail "run.report_dir=$OUT"
