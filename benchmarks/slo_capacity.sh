@@ -11,6 +11,10 @@
 #
 #   RATES="0.4 0.6 0.8 1.0 1.3 1.6 2.0" STATIC_RATES="0.2 0.4" bash benchmarks/slo_capacity.sh
 #
+# SLO_TPOT_S sets a TPOT target other than the workload's (the report's name then ends in -tpotMS):
+#
+#   SLO_TPOT_S=0.05 STATIC_RATES="" RATES="1.0 1.5 2.0 2.5 3.0 3.5 4.0 5.0" bash benchmarks/slo_capacity.sh
+#
 # Then the locust ramp (closed loop, 1 to 8 users, the same targets) against `serve scheduler=slo`
 # and, beside it, `serve scheduler=continuous` (about 10 minutes):
 #
@@ -40,6 +44,12 @@ fi
 read -r -a RATES <<< "${RATES:-1.0 1.5 2.0 2.5 3.0 4.0 5.0}"
 read -r -a STATIC_RATES <<< "${STATIC_RATES:-0.2 0.4}"
 N="${NUM_REQUESTS:-80}"
+NAME=slo-capacity-chat_longtail
+EXTRA=()
+if [[ -n "${SLO_TPOT_S:-}" ]]; then
+  EXTRA=("workload.slo_tpot_s=$SLO_TPOT_S")
+  NAME="$NAME-tpot$(python -c "print(round($SLO_TPOT_S * 1000))")"
+fi
 VARIANTS=()
 for r in "${STATIC_RATES[@]}"; do VARIANTS+=(-v "scheduler=static workload.rate=$r"); done
 for s in continuous slo; do
@@ -47,4 +57,4 @@ for s in continuous slo; do
 done
 for r in "${RATES[@]:2}"; do VARIANTS+=(-v "scheduler=slo run.shed=true workload.rate=$r"); done
 python -m core compare "${VARIANTS[@]}" workload=chat_longtail workload.arrival=poisson "workload.num_requests=$N" \
-  run.name=slo-capacity-chat_longtail "run.report_dir=$OUT"
+  "${EXTRA[@]}" "run.name=$NAME" "run.report_dir=$OUT"
