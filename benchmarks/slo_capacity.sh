@@ -42,7 +42,7 @@ if [[ "${2:-}" == "ramp" ]]; then
   exit 0
 fi
 read -r -a RATES <<< "${RATES:-1.0 1.5 2.0 2.5 3.0 4.0 5.0}"
-read -r -a STATIC_RATES <<< "${STATIC_RATES:-0.2 0.4}"
+read -r -a STATIC_RATES <<< "${STATIC_RATES-0.2 0.4}"  # empty: no static runs
 N="${NUM_REQUESTS:-80}"
 NAME=slo-capacity-chat_longtail
 EXTRA=()
