@@ -75,7 +75,8 @@ def build(overrides: list[str]):
 def decoding_engine(overrides: list[str], rows: int = 64):
     from core.engine.types import SamplingParams
 
-    engine = build(overrides + [f"scheduler.max_num_seqs={rows + 1}"])
+    # a budget of 1024 tokens, so that the mixed steps here carry the whole 512-token prompt
+    engine = build(["scheduler.max_num_batched_tokens=1024"] + overrides + [f"scheduler.max_num_seqs={rows + 1}"])
     for i in range(rows):
         engine.add_request(list(range(1000 + i, 1128 + i)), SamplingParams(max_tokens=400, ignore_eos=True))
     while engine.last_step is None or engine.last_step.num_prefill_tokens:
