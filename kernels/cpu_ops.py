@@ -10,6 +10,8 @@ and a pass over memory for a few kilobytes of work. Here each is one call and on
   in place);
 - `silu_mul`: silu(gate) * up, the MLP's activation (the halves of the fused gate-up output).
 
+The same build holds the bf16 GEMV of few-row linears (csrc/cpu_gemv.cpp, used by kernels.linear).
+
 Each rounds every intermediate its torch twin stores in the model's dtype (kernels.norm,
 kernels.rotary, kernels.activation), so results match the twins exactly for rotary and to the
 last bit of a row's summation order or of exp for the others (the tests hold them to that).

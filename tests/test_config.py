@@ -61,5 +61,5 @@ def test_unknown_group_value_names_the_choices():
 
 def test_a_component_chosen_by_name_keeps_only_the_common_and_given_keys():
     cfg = compose(["scheduler=sjf", "scheduler.max_wait_batches=2", "scheduler.max_num_seqs=3"])
-    assert dict(cfg.scheduler) == {"name": "sjf", "max_num_seqs": 3, "max_num_batched_tokens": 256,
+    assert dict(cfg.scheduler) == {"name": "sjf", "max_num_seqs": 3, "max_num_batched_tokens": 1024,
                                    "max_wait_batches": 2}
