@@ -2,10 +2,10 @@
 steps: `python -m benchmarks.gemv`.
 
 Micro-benchmark: SmolLM2-135M's linear shapes (fused qkv, o, fused gate-up, down, the head) at
-1 to 16 activation rows. A decode step reads its weights from memory (270 MB of them, far past
+1 to 32 activation rows (past `GEMV_ROWS`, to show where oneDNN takes over). A decode step reads its weights from memory (270 MB of them, far past
 the last-level cache), so each call takes the next of enough copies of the weight to fill 384 MB:
 the figure is GB/s of weights read out of memory, beside a read-bandwidth probe taken in the same
-rounds. Engine: the default engine's decode steps of 1, 4 and 8 rows with the GEMV and without
+rounds. Engine: the default engine's decode steps of 1, 4 and 16 rows with the GEMV and without
 (`GEMV_ROWS = 0`), rounds alternating. Writes reports/gemv/report.{md,json} and gemv.png.
 """
 
@@ -49,7 +49,7 @@ def micro(probe: torch.Tensor) -> list[dict]:
         weights = [w0.clone() for _ in range(max(2, POOL_BYTES // w0.nbytes))]
         for m in ROWS:
             x = torch.randn(m, k, generator=g).bfloat16()
-            gemv_call = rotating(lambda w, x=x: cpu_ops.load().bf16_linear(x, w), weights)
+            gemv_call = rotating(lambda w, x=x: gemv.gemv(x, w), weights)
             gemm_call = rotating(lambda w, x=x: F.linear(x, w), weights)
             gemv_call(), gemm_call()
             t_gemv, t_gemm, bws = [], [], []

@@ -6,8 +6,8 @@ a 2-core AVX-512 EPYC whose memory gives about 50, and each call has a fixed cos
 (csrc/cpu_gemv.cpp, built with kernels.cpu_ops) streams each weight row once, prefetched, against
 up to 8 activation rows at a time with AVX512-BF16 dot products, summing in fp32 and rounding once
 to bf16 as the GEMM does (the only difference is the order of the sums): 34-39 GB/s at 1 to 8 rows,
-27-29 at 16, 1.2-2.3x oneDNN on SmolLM2's shapes, and a batch-1 decode step 1.9x faster
-(reports/gemv, `python -m benchmarks.gemv`).
+27-29 at 16, 0.95-2.3x oneDNN on SmolLM2's shapes (level only on the gate-up projection at 1 to 4
+rows), and a batch-1 decode step 1.9x faster (reports/gemv, `python -m benchmarks.gemv`).
 
 It serves up to `GEMV_ROWS` rows, bf16, no bias, where the build has the bf16 dot instruction;
 everything else (more rows, fp32, torch.compile, autograd) is `F.linear`. `linear_ref` is its

@@ -1,5 +1,5 @@
 // bf16 x bf16 -> bf16 matmul for steps of few rows: see kernels/linear.py. Built with cpu_ops
-// (one translation unit: it uses that file's bf16 helpers).
+// (one translation unit: it uses that file's bf16 helpers, load_f and bf16_bits).
 //
 // y[M, N] = x[M, K] . W[N, K]^T with W as nn.Linear stores it. A decode step at small batch reads
 // every weight once and does little with it, so what counts is streaming W at the memory's rate:
@@ -17,13 +17,6 @@ namespace {
 
 constexpr int64_t GEMV_PREFETCH = 4096;  // bytes ahead on the weight stream (2 KB and 8 KB measured worse)
 constexpr int64_t GEMV_MR = 8;  // activation rows per pass over a weight row (their sums stay in registers)
-
-inline float bf16_float(uint16_t b) {
-  const uint32_t u = uint32_t(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
 
 #ifdef SERVELAB_BF16_DOT
 // Weight rows [n, n + NR) against activation rows [0, MR) of `x` (row stride xs), columns K.
@@ -88,12 +81,15 @@ void gemv_cols(const uint16_t* x, int64_t xs, int64_t M, const uint16_t* w, int6
     }
   }
 #else
-  // portable: the same sums in plain fp32 loops (in another order within a row)
+  // portable: the same sums in plain fp32 loops (in another order within a row), widened by
+  // cpu_ops.cpp's load_f
+  const auto* xb = reinterpret_cast<const at::BFloat16*>(x);
+  const auto* wb = reinterpret_cast<const at::BFloat16*>(w);
   for (int64_t n = n0; n < n1; ++n)
     for (int64_t m = 0; m < M; ++m) {
       float s = 0.f;
 #pragma omp simd reduction(+ : s)
-      for (int64_t k = 0; k < K; ++k) s += bf16_float(x[m * xs + k]) * bf16_float(w[n * K + k]);
+      for (int64_t k = 0; k < K; ++k) s += load_f(xb, m * xs + k) * load_f(wb, n * K + k);
       y[m * N + n] = bf16_bits(s);
     }
 #endif
