@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import gc
 import logging
 import os
 import signal
@@ -190,10 +191,14 @@ class DistributedBackend:
             dead = self.workers.wait_dead(2.0)  # a killed process's exit can trail its broken sockets
             if dead is None and not isinstance(e, dist.DistBackendError) and "onnection" not in str(e):
                 raise  # not the process group's failure
-            self.closed = True
-            self.workers.shutdown(timeout=1.0)
-            raise RankDiedError(f"{dead or 'a tensor-parallel rank stopped answering'}; the engine stops "
-                                f"({str(e).splitlines()[0][:160]})") from None
+            cause = str(e).splitlines()[0][:160]
+        # Outside the except block: the failed collective's traceback (whose frames hold the process
+        # group) is released, so the broken group is torn down here and now. Kept alive as the new
+        # error's __context__, it was torn down at interpreter exit instead, where gloo can abort.
+        self.closed = True
+        self.workers.shutdown(timeout=1.0)
+        gc.collect()
+        raise RankDiedError(f"{dead or 'a tensor-parallel rank stopped answering'}; the engine stops ({cause})")
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self._call("init_kv_cache", num_blocks, block_size)
