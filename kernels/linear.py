@@ -10,8 +10,10 @@ to bf16 as the GEMM does (the only difference is the order of the sums): 34-39 G
 rows), and a batch-1 decode step 1.9x faster (reports/gemv, `python -m benchmarks.gemv`).
 
 It serves up to `GEMV_ROWS` rows, bf16, no bias, where the build has the bf16 dot instruction;
-everything else (more rows, fp32, torch.compile, autograd) is `F.linear`. `linear_ref` is its
-torch twin.
+everything else (more rows, fp32, autograd) is `F.linear`. Under torch.compile the graph calls one
+op, `bf16_matmul`, that makes the same choice by the number of rows when it runs (the graph's
+rows are symbolic: a branch here would guard on them and recompile for each step size).
+`linear_ref` is its torch twin.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import cpu_ops
+from kernels.cpp_build import namespace
 
 # Up to this many rows the GEMV serves: at 16 it still reads 1.05-2.2x faster than oneDNN on every
 # SmolLM2 shape, at 24 the down projection (K = 1536) loses (0.83x) and at 32 the head (reports/gemv).
@@ -57,8 +60,38 @@ def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return cpu_ops.load().bf16_linear(x, weight)
 
 
+@torch.compiler.assume_constant_result
+def compiled_gemv_ready() -> bool:
+    """Whether a graph may call `bf16_matmul` (asked once while tracing, its answer a constant there):
+    the build loads, has the bf16 dot instruction, and the op's output shape is known to tracing."""
+    global _FAKED
+    if not _enabled_for_graphs or cpu_ops.load() is None or not _native():
+        return False
+    if not _FAKED:
+        torch.library.register_fake(f"{_NS}::bf16_matmul")(lambda x, w, rows: x.new_empty(x.shape[0], w.shape[0]))
+        _FAKED = True
+    return True
+
+
+_NS = namespace("cpu_ops", portable=False)
+_FAKED = False
+_enabled_for_graphs = True  # tests turn it off to compare a graph with and without the op
+
+
+def _graph_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`linear` inside torch.compile's tracing: bf16 CPU linears without a bias go to the op."""
+    if (bias is None and x.dtype == weight.dtype == torch.bfloat16 and x.device.type == weight.device.type == "cpu"
+            and x.shape[-1] == weight.shape[-1] and not (torch.is_grad_enabled() and weight.requires_grad)
+            and compiled_gemv_ready()):
+        rows = x.reshape(-1, x.shape[-1])
+        return getattr(torch.ops, _NS).bf16_matmul(rows, weight, GEMV_ROWS).view(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight, bias)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, through the GEMV where it serves."""
+    if torch.compiler.is_compiling():
+        return _graph_linear(x, weight, bias)
     if use_gemv(x, weight, bias):
         rows = x.reshape(-1, x.shape[-1])
         if rows.stride(-1) != 1:

@@ -61,5 +61,28 @@ def test_unknown_group_value_names_the_choices():
 
 def test_a_component_chosen_by_name_keeps_only_the_common_and_given_keys():
     cfg = compose(["scheduler=sjf", "scheduler.max_wait_batches=2", "scheduler.max_num_seqs=3"])
-    assert dict(cfg.scheduler) == {"name": "sjf", "max_num_seqs": 3, "max_num_batched_tokens": 1024,
-                                   "max_wait_batches": 2}
+    assert dict(cfg.scheduler) == {"name": "sjf", "max_num_seqs": 3, "max_num_batched_tokens": None,
+                                   "max_wait_batches": 2}  # engine_config fills it per device
+
+
+@pytest.mark.parametrize("overrides, budget", [
+    ([], 256),  # the engine on this machine's CPU
+    (["model.device=cpu", "scheduler=slo"], 1024),  # slo sizes its own steps; 1024 is only its cap
+    (["backend=simulator", "hardware=h100-80gb", "model=llama-3.1-8b"], 1024),  # a simulated GPU
+    (["scheduler.max_num_batched_tokens=512"], 512),  # a value given wins on any device
+    (["scheduler=static"], 8192),
+])
+def test_the_step_budget_defaults_per_device(overrides, budget):
+    assert engine_config(compose(overrides)).scheduler.max_num_batched_tokens == budget
+
+
+def test_a_simulated_cpu_gets_the_cpu_step_budget():
+    from dataclasses import replace
+
+    from core.engine.components import default_step_budget
+    from core.engine.hardware import HardwareProfile
+
+    ec = engine_config(compose(["backend=simulator", "hardware=a100-80gb", "model=llama-3.1-8b"]))
+    assert default_step_budget(ec, simulated=True) == 1024
+    cpu = HardwareProfile(name="cpu", bf16_tflops=0.9, memory_bandwidth_gbs=50, memory_gb=24)
+    assert default_step_budget(replace(ec, hardware=cpu), simulated=True) == 256

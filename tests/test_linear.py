@@ -82,3 +82,46 @@ def test_the_model_is_built_of_these_linears():
     fuse_projections(model)
     layer = model.model.layers[0]
     assert type(layer.self_attn.qkv_proj.inner) is lin.Linear and type(layer.mlp.gate_up_proj.inner) is lin.Linear
+
+
+def test_the_graph_op_makes_the_same_choice_by_rows():
+    """`bf16_matmul`, the op a torch.compile graph calls: the GEMV up to gemv_rows rows, else the GEMM."""
+    assert cpu_ops.load() is not None  # the build registers the op
+    w = _randn(96, 64, scale=0.1)
+    for m in (1, 5, lin.GEMV_ROWS, lin.GEMV_ROWS + 1, 40):
+        x = _randn(m, 64)
+        got = torch.ops.servelab_cpu_ops.bf16_matmul(x, w, lin.GEMV_ROWS)
+        want = lin.gemv(x, w) if m <= lin.GEMV_ROWS and lin._native() else F.linear(x, w)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        strided = torch.cat([x, x], dim=1)[:, :64]
+        torch.testing.assert_close(torch.ops.servelab_cpu_ops.bf16_matmul(strided, w, lin.GEMV_ROWS), want,
+                                   rtol=0, atol=0)
+
+
+def test_a_compiled_graph_calls_the_op_for_every_step_size(monkeypatch):
+    """One dynamic graph serves every number of rows (no guard on them), its bf16 linears through the
+    op, with eager's results."""
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
+        return gm.forward
+
+    torch._dynamo.reset()
+    layer = lin.Linear(64, 48, bias=False).bfloat16().requires_grad_(False)
+    compiled = torch.compile(lambda x: layer(x) * 2, backend=capture, dynamic=True, fullgraph=True)
+    for m in (1, 5, 9, lin.GEMV_ROWS, 40):
+        x = _randn(m, 64)
+        torch.testing.assert_close(compiled(x), lin.linear(x, layer.weight) * 2, rtol=0, atol=0)
+    assert len(graphs) == 2  # batch 1 (torch specializes size 1), then one graph for every other size
+    ready = lin.compiled_gemv_ready()
+    assert all(("servelab_cpu_ops.bf16_matmul" in g) == ready for g in graphs)
+    torch._dynamo.reset()
+    monkeypatch.setattr(lin, "_native", lambda: False)  # a CPU without the bf16 dot: the graph keeps F.linear
+    monkeypatch.setattr(lin, "compiled_gemv_ready", torch.compiler.assume_constant_result(
+        lambda: lin._enabled_for_graphs and lin._native()))
+    graphs.clear()
+    compiled = torch.compile(lambda x: layer(x) * 2, backend=capture, dynamic=True, fullgraph=True)
+    compiled(_randn(5, 64))
+    assert not any("servelab_cpu_ops" in t for t in graphs[0]) and any("linear" in t for t in graphs[0])
+    torch._dynamo.reset()

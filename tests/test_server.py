@@ -247,8 +247,9 @@ def test_client_disconnect_is_counted_and_frees_blocks_with_the_server_idle(serv
 
 
 def test_guard_rails(start_server):
+    # one running sequence at a time, so the other long requests wait, whatever the step budget
     base = start_server("server.api_keys=[secret]", "server.max_queue=2", "server.max_body_bytes=2000",
-                        "server.degrade_enabled=false")
+                        "server.degrade_enabled=false", "scheduler.max_num_seqs=1")
     r = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "hi"})
     assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
     assert httpx.get(f"{base}/v1/models").status_code == 401

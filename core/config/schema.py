@@ -38,7 +38,7 @@ class ModelConfig:
 class SchedulerConfig:
     name: str = "static"  # the dataclass default is the baseline; conf/ picks continuous
     max_num_seqs: int = 16
-    max_num_batched_tokens: int = 4096
+    max_num_batched_tokens: int | None = 4096  # None: the device's default (engine_config resolves it)
 
 
 @dataclass

@@ -122,3 +122,22 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w) {
   });
   return y;
 }
+
+// The same dispatch as kernels/linear.py's `linear`, as one torch op, so that torch.compile's graph
+// can call it: the graph's number of rows is symbolic, and a branch on it in Python would guard
+// on it and recompile for every step size. Up to `gemv_rows` rows the GEMV (when this build has
+// the bf16 dot instruction), else the GEMM F.linear calls.
+torch::Tensor bf16_matmul(torch::Tensor x, torch::Tensor w, int64_t gemv_rows) {
+#ifdef SERVELAB_BF16_DOT
+  if (x.size(0) <= gemv_rows && w.is_contiguous()) return bf16_linear(x.stride(1) == 1 ? x : x.contiguous(), w);
+#endif
+  return at::linear(x, w);
+}
+
+TORCH_LIBRARY(SERVELAB_NS, m) {
+  m.def("bf16_matmul(Tensor x, Tensor w, int gemv_rows) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(SERVELAB_NS, CPU, m) {
+  m.impl("bf16_matmul", &bf16_matmul);
+}
