@@ -6,7 +6,10 @@ Micro-benchmark: SmolLM2-135M's linear shapes (fused qkv, o, fused gate-up, down
 the last-level cache), so each call takes the next of enough copies of the weight to fill 384 MB:
 the figure is GB/s of weights read out of memory, beside a read-bandwidth probe taken in the same
 rounds. Engine: the default engine's decode steps of 1, 4 and 16 rows with the GEMV and without
-(`GEMV_ROWS = 0`), rounds alternating. Writes reports/gemv/report.{md,json} and gemv.png.
+(`GEMV_ROWS = 0`), rounds alternating; then the same with `backend.compile=true`, one engine whose
+graph calls the GEMV op (`bf16_matmul`) beside one traced without it (oneDNN), rounds alternating
+(`--no-compiled` skips that part: each graph takes about a minute to compile). Writes
+reports/gemv/report.{md,json} and gemv.png.
 """
 
 from __future__ import annotations
@@ -90,6 +93,34 @@ def engine_steps() -> dict:
     return out
 
 
+def compiled_steps(rows_list=(1, 16)) -> dict:
+    """backend.compile=true decode steps: the graph with the GEMV op against the graph without it."""
+    from benchmarks.profile_step import decoding_engine
+
+    out = {}
+    for rows in rows_list:
+        engines = {}
+        for on in (True, False):  # the choice is made while tracing, on the first step
+            gemv._enabled_for_graphs = on
+            try:
+                engines[on] = decoding_engine(["backend.compile=true"], rows=rows)
+                engines[on].step()
+            finally:
+                gemv._enabled_for_graphs = True
+        n = 20 if rows == 1 else 10
+        on, off = [], []
+        for _ in range(ROUNDS + 1):  # rounds alternating; the first warms both
+            on.append(median_seconds(engines[True].step, n))
+            off.append(median_seconds(engines[False].step, n))
+        on, off = on[1:], off[1:]
+        ratios = [b / a for a, b in zip(on, off)]
+        out[f"compiled decode, {rows} rows"] = {
+            "gemv_ms": statistics.median(on) * 1e3, "gemm_ms": statistics.median(off) * 1e3,
+            "speedup": statistics.median(ratios), "range": [min(ratios), max(ratios)]}
+        print(rows, out[f"compiled decode, {rows} rows"], flush=True)
+    return out
+
+
 def plot(rows: list[dict], path: Path) -> None:
     import matplotlib
 
@@ -114,6 +145,7 @@ def plot(rows: list[dict], path: Path) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.gemv")
     ap.add_argument("--out", default="reports/gemv")
+    ap.add_argument("--no-compiled", action="store_true", help="skip the backend.compile=true steps")
     args = ap.parse_args(argv)
     if cpu_ops.load() is None or not cpu_ops.load().bf16_dot_native():
         raise SystemExit("the bf16 GEMV needs the C++ build and a CPU with AVX512-BF16")
@@ -121,6 +153,8 @@ def main(argv=None) -> int:
 
     probe = torch.ones(1 << 28, dtype=torch.float32)  # 1 GiB, far past the last-level cache
     micro_rows, steps, m = micro(probe), engine_steps(), machine_info()
+    if not args.no_compiled:
+        steps.update(compiled_steps())
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     md = ["# bf16 GEMV against oneDNN's GEMM at few rows\n",
@@ -131,7 +165,7 @@ def main(argv=None) -> int:
           "|---|---|---|---|---|---|---|---|"]
     md += [f"| {r['shape']} | {r['rows']} | {r['gemm_ms']:.3f} | {r['gemv_ms']:.3f} | {r['gemm_gbs']:.1f} | "
            f"{r['gemv_gbs']:.1f} | {r['read_gbs']:.1f} | {r['speedup']:.2f}x |" for r in micro_rows]
-    md += ["", "## Decode steps of the default engine (bf16, embedded model)", "",
+    md += ["", "## Decode steps of the default engine (bf16, embedded model; `compiled`: backend.compile=true)", "",
            "| step | GEMM ms | GEMV ms | speed-up (range over rounds) |", "|---|---|---|---|"]
     md += [f"| {k} | {v['gemm_ms']:.1f} | {v['gemv_ms']:.1f} | {v['speedup']:.2f}x ({v['range'][0]:.2f}-{v['range'][1]:.2f}) |"
            for k, v in steps.items()]

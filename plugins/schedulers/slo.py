@@ -12,6 +12,9 @@ five changes, four of them driven by the engine's online step-cost model (`conte
   prefill tokens run per step, so prefills never stop entirely.
   A prefill that would then miss its own TTFT deadline gets the smallest larger chunk that makes
   it (`deadline_chunks`); one that cannot make it even so does not slow the decodes down.
+  With `min_prefill_share` > 0 a step's first chunk is at least that share of the step's
+  predicted time, whatever the target: beside many decodes a TPOT-sized step buys few prompt
+  tokens, and prompts that arrive faster than they are prefilled all miss their TTFT.
 - **One prompt mid-prefill at a time** (`max_num_partial_prefills`, 1 here against 4 in
   `continuous`): a TPOT-sized step has room for a short chunk only, and shared between several
   prompts it delays them all (processor sharing); given to the earliest deadline alone, that one
@@ -39,6 +42,7 @@ from dataclasses import dataclass
 
 from core.api import ConfigError, SchedulerOutput, Sequence, StepShape, hookimpl
 from plugins.schedulers.continuous import ContinuousScheduler, ContinuousSchedulerConfig
+from plugins.schedulers.slo_forecast import ForecastMixin
 
 INF = math.inf
 
@@ -50,6 +54,7 @@ class SloSchedulerConfig(ContinuousSchedulerConfig):
     tpot_target_s: float = 0.15
     step_margin: float = 0.9  # plan steps to this fraction of the tightest TPOT target (the model's error)
     min_prefill_tokens: int = 16  # prefill tokens every step may carry even past the target
+    min_prefill_share: float = 0.0  # a chunk is at least this share of its step's predicted time (0: off)
     admit_by_cost: bool = True  # start a request only while the decode step it joins fits the target
     spend_slack: bool = True  # a decode ahead of its mean-TPOT budget may wait longer for one step
     deadline_chunks: bool = True  # a prefill that would miss its TTFT at that chunk size gets a larger one
@@ -58,11 +63,13 @@ class SloSchedulerConfig(ContinuousSchedulerConfig):
         for key in ("ttft_target_s", "tpot_target_s", "step_margin"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"scheduler.{key} must be positive, got {getattr(self, key)}")
+        if not 0 <= self.min_prefill_share < 1:
+            raise ConfigError(f"scheduler.min_prefill_share must be in [0, 1), got {self.min_prefill_share}")
         if self.min_prefill_tokens < 1:
             raise ConfigError(f"scheduler.min_prefill_tokens must be at least 1, got {self.min_prefill_tokens}")
 
 
-class SloScheduler(ContinuousScheduler):
+class SloScheduler(ForecastMixin, ContinuousScheduler):
     config_class = SloSchedulerConfig
     capabilities = frozenset({"deadlines"})
 
@@ -150,6 +157,32 @@ class SloScheduler(ContinuousScheduler):
                 hi = mid - 1
         return max(lo, min(n, floor))
 
+    def _share_floor(self, planned: StepShape, start: int, n: int, total: int) -> int:
+        """The smallest chunk c <= n whose prompt tokens take `min_prefill_share` of the step's
+        predicted time (n if none does). Under a TPOT target that leaves room for few prompt tokens
+        beside many decodes, each step's fixed part (the decodes, the per-step overhead) buys almost
+        no prefill: prompts then arrive faster than they are prefilled and every queued request
+        misses its TTFT. A step of at most 1 / (1 - share) times its decodes' keeps the prefill rate."""
+        share = self.config.min_prefill_share
+        if share <= 0 or not self._ready or planned.tokens == 0:
+            return 0
+        base = self._cost(planned)
+
+        def enough(c: int) -> bool:
+            step = self._cost(planned.copy().add(c, start + c, start + c >= total))
+            return step - base >= share * step * (1 - 1e-9)  # (equality in exact arithmetic counts)
+
+        if not enough(n):
+            return n
+        lo, hi = 1, n  # enough(hi) holds; the smallest c that does
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if enough(mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
     # ---- the step -------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
@@ -171,6 +204,8 @@ class SloScheduler(ContinuousScheduler):
         start = seq.num_tokens + len(seq.spec_token_ids) - remaining
         if start < seq.num_tokens - 1:  # a prefill chunk (a decode computes all but its last token first)
             floor = max(0, self.config.min_prefill_tokens - self._prefill_tokens)
+            if self._prefill_tokens == 0:  # the step's first chunk
+                floor = max(floor, self._share_floor(self._planned, start, n, seq.num_tokens))
             fitted = self._fit(self._planned, start, n, seq.num_tokens, self._limit, floor)
             if self.config.deadline_chunks and fitted < n:
                 fitted = self._deadline_chunk(seq, start, fitted, n)
@@ -217,66 +252,6 @@ class SloScheduler(ContinuousScheduler):
 
     def _preempt_victim(self) -> Sequence:
         return max(self.running, key=lambda s: (self._missed(s), self.deadline(s), s.seq_id))
-
-    # ---- admission control (load shedding) ----------------------------------------------------
-
-    def predict_ttft(self, seq: Sequence) -> float:
-        """Seconds from now until a sequence not yet queued would get its first token if queued now.
-        The steps are played forward on the cost model: the running decodes each step, then the
-        prefills ahead of it (those mid-prefill, then the waiting ones with earlier deadlines, then
-        its own) in chunks sized as `schedule` would size them (long prompts capped, the step held
-        under the decodes' TPOT allowance, no more prompts mid-prefill than the limits allow)."""
-        if not self._ready:
-            return 0.0
-        self._now = self.context.clock()
-        deadline = self._now + self.ttft_target(seq)
-        # [tokens done, prompt tokens, long, started]
-        queue = [[s.num_computed_tokens, s.num_tokens, self._is_long(s), True] for s in self.running if s.in_prefill]
-        queue += [[0, s.num_tokens, self._is_long(s), False] for s in sorted(self.waiting, key=self.deadline)
-                  if not self._is_late(s) and self.deadline(s) <= deadline]
-        own = [0, seq.num_tokens, self._is_long(seq), False]
-        queue.append(own)
-        decodes = StepShape()
-        for s in self.running:
-            if not s.in_prefill:
-                decodes.add(1, s.num_tokens + 1)
-        limit = self._step_limit(seq) if decodes.tokens else INF
-        elapsed = 0.0
-        while True:  # one iteration per step until its own prefill is done
-            elapsed += self._cost(self._play_step(queue, decodes, limit))
-            if own[0] >= own[1]:
-                return elapsed
-            queue = [item for item in queue if item[0] < item[1]]
-
-    def _play_step(self, queue: list[list], decodes: StepShape, limit: float) -> StepShape:
-        """One step of `predict_ttft`'s forward play: the prompts already started take their chunks
-        first, then waiting ones start while the partial-prefill limits allow (as in `schedule`, a
-        prompt whose last chunk runs in this step no longer counts). Advances `queue` in place."""
-        cfg = self.config
-        shape, budget = decodes.copy(), max(1, cfg.max_num_batched_tokens - decodes.tokens)
-        num_partial = num_long = None
-        for item in sorted(queue, key=lambda it: not it[3]):  # stable: started prompts first
-            done, total, long, started = item
-            if not started:
-                if num_partial is None:  # the started prompts have had their chunks: count those left
-                    mid = [it for it in queue if it[3] and it[0] < it[1]]
-                    num_partial, num_long = len(mid), sum(it[2] for it in mid)
-                if num_partial >= cfg.max_num_partial_prefills:
-                    break
-                if long and num_long >= cfg.max_long_partial_prefills:
-                    continue
-            cap = min(total - done, budget, cfg.long_prefill_token_threshold if long else budget)
-            floor = cfg.min_prefill_tokens if shape.tokens == decodes.tokens else 0  # the step's first
-            c = self._fit(shape, done, cap, total, limit, floor)
-            if c <= 0:
-                break
-            shape.add(c, done + c, done + c >= total)
-            item[0], item[3] = done + c, True
-            budget -= c
-            if not started and done + c < total:
-                num_partial, num_long = num_partial + 1, num_long + long
-        return shape
-
 
 @hookimpl
 def servelab_schedulers():
