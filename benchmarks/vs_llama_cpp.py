@@ -114,7 +114,8 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     variants = {"servelab quant=gguf": ["quant=gguf"],
                 "servelab quant=gguf backend.compile=true": ["quant=gguf", "backend.compile=true"],
-                "servelab bf16": ["model.dtype=bf16"]}
+                "servelab bf16": ["model.dtype=bf16"],
+                "servelab bf16 backend.compile=true": ["model.dtype=bf16", "backend.compile=true"]}
     result = {"machine": machine_info(), "gguf": str(gguf), "args": {k: str(v) for k, v in vars(args).items()},
               "batch1": {"llama.cpp (llama-bench tg128)": llama_bench(args.bin, gguf, args.threads, args.reps)}}
     for name, ov in variants.items():

@@ -1,13 +1,13 @@
 """The model's linear layers: `nn.Linear`, whose bf16 calls of few rows on the CPU take a C++ GEMV.
 
 A decode step at small batch reads every weight once, so its linears run at the rate weights
-stream from memory. oneDNN's bf16 GEMM (what `F.linear` calls) reads them at 12-38 GB/s there on
-a 2-core AVX-512 EPYC whose memory gives about 50, and each call has a fixed cost. `bf16_linear`
+stream from memory. oneDNN's bf16 GEMM (what `F.linear` calls) reads them at 11-38 GB/s there on
+2-core AVX-512 EPYCs whose memory gives 50-76, and each call has a fixed cost. `bf16_linear`
 (csrc/cpu_gemv.cpp, built with kernels.cpu_ops) streams each weight row once, prefetched, against
 up to 8 activation rows at a time with AVX512-BF16 dot products, summing in fp32 and rounding once
-to bf16 as the GEMM does (the only difference is the order of the sums): 34-39 GB/s at 1 to 8 rows,
-27-29 at 16, 0.95-2.3x oneDNN on SmolLM2's shapes (level only on the gate-up projection at 1 to 4
-rows), and a batch-1 decode step 1.9x faster (reports/gemv, `python -m benchmarks.gemv`).
+to bf16 as the GEMM does (the only difference is the order of the sums): 31-57 GB/s at 1 to 8 rows
+on the faster of those machines, 1.5-3.4x oneDNN on SmolLM2's shapes, and a batch-1 decode step
+1.4-1.9x faster depending on the machine (reports/gemv, `python -m benchmarks.gemv`).
 
 It serves up to `GEMV_ROWS` rows, bf16, no bias, where the build has the bf16 dot instruction;
 everything else (more rows, fp32, autograd) is `F.linear`. Under torch.compile the graph calls one

@@ -170,9 +170,12 @@ def run_one(cfg: DictConfig, label: str | None = None) -> dict:
     if m.parallel:
         summary["parallel"] = m.parallel
     args = m.args
+    config = OmegaConf.to_container(cfg, resolve=True)
+    if isinstance(config.get("scheduler"), dict):  # null in the config: the device's default, as it ran
+        config["scheduler"]["max_num_batched_tokens"] = ec.scheduler.max_num_batched_tokens
     return {
         "label": label or default_run_name(ec, wc, pc),
-        "config": OmegaConf.to_container(cfg, resolve=True),
+        "config": config,
         "model": {"path": resolve_model_path(ec), "architecture": args.architecture, "dtype": ec.model.dtype,
                   "layers": args.num_layers, "hidden": args.hidden_size},
         "kv_cache": m.kv_cache,
