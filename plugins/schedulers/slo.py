@@ -47,6 +47,17 @@ from plugins.schedulers.slo_forecast import ForecastMixin
 INF = math.inf
 
 
+def smallest(lo: int, hi: int, holds) -> int:
+    """The smallest c in [lo, hi] for which `holds(c)`, a predicate monotone in c that holds at hi."""
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if holds(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
 @dataclass
 class SloSchedulerConfig(ContinuousSchedulerConfig):
     max_num_partial_prefills: int = 1  # earliest deadline's prompt alone (see the module's doc)
@@ -172,16 +183,7 @@ class SloScheduler(ForecastMixin, ContinuousScheduler):
             step = self._cost(planned.copy().add(c, start + c, start + c >= total))
             return step - base >= share * step * (1 - 1e-9)  # (equality in exact arithmetic counts)
 
-        if not enough(n):
-            return n
-        lo, hi = 1, n  # enough(hi) holds; the smallest c that does
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if enough(mid):
-                hi = mid
-            else:
-                lo = mid + 1
-        return lo
+        return smallest(1, n, enough) if enough(n) else n
 
     # ---- the step -------------------------------------------------------------------------------
 
@@ -229,14 +231,7 @@ class SloScheduler(ForecastMixin, ContinuousScheduler):
 
         if fitted > 0 and on_time(fitted) or not on_time(n):
             return fitted
-        lo, hi = max(fitted, 1), n  # on_time(hi) holds; the smallest c that makes it
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if on_time(mid):
-                hi = mid
-            else:
-                lo = mid + 1
-        return lo
+        return smallest(max(fitted, 1), n, on_time)
 
     def _can_admit(self, seq: Sequence) -> bool:
         if not self.config.admit_by_cost:
