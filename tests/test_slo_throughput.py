@@ -59,3 +59,22 @@ def test_the_forecast_plays_the_same_floor():
 def test_the_share_must_be_below_one():
     with pytest.raises(ConfigError, match=r"scheduler.min_prefill_share must be in \[0, 1\), got 1.0"):
         slo(min_prefill_share=1.0)
+
+
+@pytest.mark.parametrize("horizon, max_tokens, chunk", [
+    (0, 60, 89),  # a decode that has just started: the bare 0.1 s target, 10 ms + 1 decode + 89 tokens
+    (10, 60, 979),  # 10 more tokens at an 11 ms decode step: 0.1 + 10 x 0.089 = 0.99 s allowed
+    (10, 5, 356),  # only 3 more to come (max_tokens 5): 0.1 + 3 x 0.089 = 0.367 s
+])
+def test_the_slack_horizon_counts_the_tokens_still_to_come(horizon, max_tokens, chunk):
+    s = slo(spend_slack=True, slack_horizon=horizon, long_prefill_token_threshold=2048)
+    s.add(seq(4, max_tokens=max_tokens))
+    run_step(s, now=0.0)  # its first token, at t = 0
+    long = seq(2000, start=500)
+    s.add(long)
+    assert _chunk(s, long)[0] == chunk
+
+
+def test_the_slack_horizon_must_not_be_negative():
+    with pytest.raises(ConfigError, match="scheduler.slack_horizon must be at least 0, got -1"):
+        slo(slack_horizon=-1)

@@ -68,6 +68,7 @@ class SloSchedulerConfig(ContinuousSchedulerConfig):
     min_prefill_share: float = 0.0  # a chunk is at least this share of its step's predicted time (0: off)
     admit_by_cost: bool = True  # start a request only while the decode step it joins fits the target
     spend_slack: bool = True  # a decode ahead of its mean-TPOT budget may wait longer for one step
+    slack_horizon: int = 0  # spend_slack also counts this many coming tokens at the decode step's cost (0: off)
     deadline_chunks: bool = True  # a prefill that would miss its TTFT at that chunk size gets a larger one
 
     def __post_init__(self) -> None:  # checked when the config is read, before any model loads
@@ -76,6 +77,8 @@ class SloSchedulerConfig(ContinuousSchedulerConfig):
                 raise ConfigError(f"scheduler.{key} must be positive, got {getattr(self, key)}")
         if not 0 <= self.min_prefill_share < 1:
             raise ConfigError(f"scheduler.min_prefill_share must be in [0, 1), got {self.min_prefill_share}")
+        if self.slack_horizon < 0:
+            raise ConfigError(f"scheduler.slack_horizon must be at least 0, got {self.slack_horizon}")
         if self.min_prefill_tokens < 1:
             raise ConfigError(f"scheduler.min_prefill_tokens must be at least 1, got {self.min_prefill_tokens}")
 
@@ -138,7 +141,14 @@ class SloScheduler(ForecastMixin, ContinuousScheduler):
         t = seq.timings
         if not self.config.spend_slack or t.first_token is None:
             return target
-        return max(target, target * len(t.token_times) - (self._now - t.first_token))
+        banked = target * len(t.token_times) - (self._now - t.first_token)
+        # With R more tokens to come at the decode step's cost d (`slack_horizon`, bounded by
+        # max_tokens), the mean stays on target if this step takes up to banked + R (target - d):
+        # a decode that has just started need not hold every step to the bare target.
+        ahead = min(self.config.slack_horizon, seq.params.max_tokens - seq.num_output_tokens - 1)
+        if ahead > 0 and self._ready:
+            banked += ahead * max(0.0, target - self._cost(self._future))
+        return max(target, banked)
 
     def _step_limit(self, extra: Sequence | None = None) -> float:
         """The tightest allowance among sequences already generating (and `extra`'s TPOT target),
