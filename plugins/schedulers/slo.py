@@ -8,7 +8,8 @@ five changes, four of them driven by the engine's online step-cost model (`conte
   target among the running decodes (times `step_margin`), so a long prompt never stalls them.
   With no decode running, prefills take the whole token budget. TPOT is a mean over the
   request, so a decode whose tokens came faster than its target so far may absorb one longer step
-  (`spend_slack`). At least `min_prefill_tokens`
+  (`spend_slack`); with `slack_horizon` N it also counts up to N tokens still to come at the
+  decode step's predicted cost. At least `min_prefill_tokens`
   prefill tokens run per step, so prefills never stop entirely.
   A prefill that would then miss its own TTFT deadline gets the smallest larger chunk that makes
   it (`deadline_chunks`); one that cannot make it even so does not slow the decodes down.
