@@ -36,8 +36,7 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def use_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    # compiling first: a test on the number of rows would put a guard on it in the graph
-    if torch.compiler.is_compiling() or bias is not None or x.dtype != torch.bfloat16 or x.shape[-1] != weight.shape[-1]:
+    if bias is not None or x.dtype != torch.bfloat16 or x.shape[-1] != weight.shape[-1]:
         return False
     if x.numel() > GEMV_ROWS * x.shape[-1] or not weight.is_contiguous():
         return False
@@ -75,7 +74,7 @@ def compiled_gemv_ready() -> bool:
 
 _NS = namespace("cpu_ops", portable=False)
 _FAKED = False
-_enabled_for_graphs = True  # tests turn it off to compare a graph with and without the op
+_enabled_for_graphs = True  # benchmarks.gemv turns it off to trace a graph without the op, to compare
 
 
 def _graph_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -90,7 +89,7 @@ def _graph_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, through the GEMV where it serves."""
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():  # first: a test on the number of rows would guard on it in the graph
         return _graph_linear(x, weight, bias)
     if use_gemv(x, weight, bias):
         rows = x.reshape(-1, x.shape[-1])

@@ -38,8 +38,7 @@ def engine_config(cfg: Any, registry: Registry | None = None) -> EngineConfig:
                       parallel=section(ParallelConfig, cfg.get("parallel"), "parallel"),
                       **{kind: component_config(registry, kind, cfg.get(kind)) for kind in ENGINE_KINDS})
     simulated = is_simulated(ec, registry)
-    if ec.scheduler.max_num_batched_tokens is None:
-        ec.scheduler.max_num_batched_tokens = default_step_budget(ec, simulated)
+    fill_step_budget(ec, simulated)
     validate(ec)
     if simulated and ec.parallel.tensor_parallel_size > 1:
         raise ConfigError("backend=simulator models tensor parallelism itself: use backend.tensor_parallel_size")
@@ -64,6 +63,12 @@ def default_step_budget(ec: EngineConfig, simulated: bool) -> int:
     return STEP_BUDGET["cpu" if on_cpu else "cuda"]
 
 
+def fill_step_budget(ec: EngineConfig, simulated: bool) -> None:
+    """A null `scheduler.max_num_batched_tokens` becomes the device's default; a given one stays."""
+    if ec.scheduler.max_num_batched_tokens is None:
+        ec.scheduler.max_num_batched_tokens = default_step_budget(ec, simulated)
+
+
 def is_simulated(ec: EngineConfig, registry: Registry) -> bool:
     """Whether the backend runs without weights (a simulator); a hardware profile needs one."""
     simulated = not getattr(registry.get("backend", ec.backend.name).factory, "needs_weights", True)
@@ -86,7 +91,7 @@ def typed(config: EngineConfig, registry: Registry) -> EngineConfig:
     in code from the base classes)."""
     config = dataclasses.replace(config, **{k: component_config(registry, k, getattr(config, k)) for k in ENGINE_KINDS})
     if config.scheduler.max_num_batched_tokens is None:
-        config.scheduler.max_num_batched_tokens = default_step_budget(config, is_simulated(config, registry))
+        fill_step_budget(config, is_simulated(config, registry))
     return config
 
 

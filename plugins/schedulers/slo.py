@@ -134,10 +134,11 @@ class SloScheduler(ForecastMixin, ContinuousScheduler):
     def _cost(self, shape: StepShape) -> float:
         return self.context.cost_model.predict(shape)
 
-    def _allowance(self, seq: Sequence) -> float:
+    def _allowance(self, seq: Sequence, decode_step: float) -> float:
         """How long the next token of a generating sequence may take with its mean TPOT still on
         target: the target, or more when earlier tokens came faster (TPOT is a mean over the request:
-        n tokens out over E seconds since the first may wait up to target * n - E)."""
+        n tokens out over E seconds since the first may wait up to target * n - E). `decode_step`
+        is the predicted decode-only step, the cost of the tokens `slack_horizon` counts ahead."""
         target = self.tpot_target(seq)
         t = seq.timings
         if not self.config.spend_slack or t.first_token is None:
@@ -147,14 +148,16 @@ class SloScheduler(ForecastMixin, ContinuousScheduler):
         # max_tokens), the mean stays on target if this step takes up to banked + R (target - d):
         # a decode that has just started need not hold every step to the bare target.
         ahead = min(self.config.slack_horizon, seq.params.max_tokens - seq.num_output_tokens - 1)
-        if ahead > 0 and self._ready:
-            banked += ahead * max(0.0, target - self._cost(self._future))
+        if ahead > 0:
+            banked += ahead * max(0.0, target - decode_step)
         return max(target, banked)
 
     def _step_limit(self, extra: Sequence | None = None) -> float:
         """The tightest allowance among sequences already generating (and `extra`'s TPOT target),
         times the margin."""
-        targets = [self._allowance(s) for s in self.running if s.num_output_tokens > 0]
+        # one prediction for every sequence (only the horizon needs it)
+        decode_step = self._cost(self._future) if self.config.slack_horizon > 0 and self._ready else INF
+        targets = [self._allowance(s, decode_step) for s in self.running if s.num_output_tokens > 0]
         if extra is not None:
             targets.append(self.tpot_target(extra))
         if not targets or not self._ready:
