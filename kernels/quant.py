@@ -49,8 +49,8 @@ INT8_DEQUANT_ROWS = 24
 
 
 def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ (q * scales).T: Triton on CUDA; on the CPU the packed kernel (bf16 activations) for
-    few rows, a bf16 GEMM over the weight dequantized on the fly for many."""
+    """x [M, K] @ (q * scales).T: Triton on CUDA; on the CPU the packed kernel for few rows, a GEMM in
+    x's precision (bf16 unless x is fp32) over the weight dequantized on the fly for many."""
     if use_triton(x):
         from kernels.triton_quant import int8_matmul as triton_int8_matmul
 
@@ -58,7 +58,7 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch
     if x.device.type == "cpu":
         fast = cpu_quant.ops() if q.shape[1] % cpu_quant.GROUP == 0 else None
         if fast is not None:  # both paths in one op: no branch on the rows in a compiled graph
-            return fast.q8_matmul(x.to(torch.bfloat16), q, scales, cpu_quant.Q8_GEMV_ROWS).to(x.dtype)
+            return fast.q8_matmul(x, q, scales, cpu_quant.Q8_GEMV_ROWS)
         xb, sb = x.to(torch.bfloat16), scales.to(torch.bfloat16)
         if x.shape[0] > INT8_DEQUANT_ROWS:
             return F.linear(xb, q.to(torch.bfloat16) * sb[:, None]).to(x.dtype)

@@ -1,10 +1,13 @@
 """Hydra composition into typed dataclasses."""
 
 import pytest
+import torch
 
 from core.config import EngineConfig, SchedulerConfig
 from core.config.compose import compose
+from core.engine import defaults
 from core.engine.components import engine_config
+from core.engine.defaults import native_bf16
 from core.errors import ConfigError
 from plugins.cache.paged import PagedCacheConfig
 from plugins.schedulers.continuous import ContinuousSchedulerConfig
@@ -15,7 +18,7 @@ def test_defaults_compose_to_typed_dataclasses():
     assert isinstance(ec, EngineConfig) and isinstance(ec.scheduler, SchedulerConfig)
     assert (ec.model.name, ec.scheduler.name, ec.cache.name, ec.quant.name, ec.decoder.name, ec.backend.name) == (
         "smollm2-135m", "continuous", "paged", "none", "sampling", "torch")
-    assert ec.model.path is None and ec.model.dtype == "bf16"
+    assert ec.model.path is None and ec.model.dtype == ("bf16" if native_bf16(torch.device("cpu")) else "fp32")
 
 
 def test_overrides_reach_the_plugins_own_dataclasses():
@@ -46,7 +49,7 @@ def test_a_type_error_names_the_key():
 
 
 def test_bad_values_are_config_errors():
-    with pytest.raises(ConfigError, match="model.dtype"):
+    with pytest.raises(ConfigError, match="model.dtype must be auto, fp32 or bf16, got 'fp8'"):
         engine_config(compose(["model.dtype=fp8"]))
     with pytest.raises(ConfigError, match="max_num_seqs must be positive"):
         engine_config(compose(["scheduler.max_num_seqs=0"]))
@@ -79,10 +82,31 @@ def test_the_step_budget_defaults_per_device(overrides, budget):
 def test_a_simulated_cpu_gets_the_cpu_step_budget():
     from dataclasses import replace
 
-    from core.engine.components import default_step_budget
+    from core.engine.defaults import default_step_budget
     from core.engine.hardware import HardwareProfile
 
     ec = engine_config(compose(["backend=simulator", "hardware=a100-80gb", "model=llama-3.1-8b"]))
     assert default_step_budget(ec, simulated=True) == 1024
     cpu = HardwareProfile(name="cpu", bf16_tflops=0.9, memory_bandwidth_gbs=50, memory_gb=24)
     assert default_step_budget(replace(ec, hardware=cpu), simulated=True) == 256
+
+
+@pytest.mark.parametrize("flags, dtype", [({"avx2", "avx512f", "avx512_bf16"}, "bf16"), ({"avx2", "amx_bf16"}, "bf16"),
+                                          ({"fp", "asimd", "bf16"}, "bf16"), ({"avx2", "fma"}, "fp32"), (set(), "fp32")])
+def test_auto_dtype_is_bf16_only_where_the_cpu_computes_it(monkeypatch, flags, dtype):
+    monkeypatch.setattr(defaults, "cpu_feature_flags", lambda: flags)
+    assert engine_config(compose(["model.device=cpu"])).model.dtype == dtype
+    # a dtype the config names is kept whatever the CPU
+    assert engine_config(compose(["model.device=cpu", "model.dtype=bf16"])).model.dtype == "bf16"
+
+
+def test_auto_dtype_of_a_simulated_gpu_is_bf16(monkeypatch):
+    monkeypatch.setattr(defaults, "cpu_feature_flags", lambda: {"avx2"})
+    ec = engine_config(compose(["backend=simulator", "hardware=a100-80gb", "model=llama-3.1-8b"]))
+    assert ec.model.dtype == "bf16"
+
+
+def test_cpu_feature_flags_are_read_from_cpuinfo():
+    flags = defaults.cpu_feature_flags()
+    text = open("/proc/cpuinfo").read()
+    assert flags and all(f in text for f in flags)

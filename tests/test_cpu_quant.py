@@ -105,6 +105,18 @@ def test_q8_matmul_many_rows_is_the_bf16_product(n):
     torch.testing.assert_close(got, want, atol=2e-3, rtol=8e-3)  # bf16 output, the sums' order
 
 
+@pytest.mark.parametrize("n", [300, 4097])
+def test_q8_matmul_many_fp32_rows_stays_in_fp32(n):
+    """fp32 activations get an fp32 GEMM (an AVX2-only CPU runs bf16 GEMMs 8x slower), not a bf16 one."""
+    w = torch.randint(-127, 128, (n, 64), generator=g, dtype=torch.int8)
+    scales = (torch.rand(n, generator=g) * 0.01).to(torch.bfloat16)
+    x = torch.randn(30, 64, generator=g)
+    got = cpu_quant.ops().q8_matmul(x, w, scales, 24)
+    assert got.dtype == torch.float32
+    # fp32 sums: far inside bf16's rounding (4e-3 relative), which the old path added
+    torch.testing.assert_close(got, x @ (w.float() * scales.float()[:, None]).T, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("rows", [1, 5, 12, 13, 40])  # the GEMV up to Q4_GEMV_ROWS, then the dequantized GEMM
 @pytest.mark.parametrize("group", [32, 128])
 def test_int4_module_on_both_paths(rows, group):

@@ -3,6 +3,7 @@
 import math
 
 import pytest
+import torch
 
 from core.bench.roofline import CostModel
 from core.bench.summary import meets_slo, percentiles, summarize
@@ -101,3 +102,23 @@ def test_one_record_schema_for_engine_peers_and_streams():
     # the engine's record of a sequence is the same schema, field for field
     seq_rec = request_metrics(_seq(arrival=1.0, scheduled=1.5, token_times=[2.0, 2.1]))
     assert set(seq_rec) == set(r.to_dict())
+
+
+@pytest.mark.parametrize("gflops, size", [(1.0, 512), (20.0, 1024), (1000.0, 2048)])
+def test_the_matmul_peak_is_measured_at_a_size_its_rate_affords(monkeypatch, gflops, size):
+    """An emulated dtype (bf16 at 1 GFLOP/s on an AVX2 CPU) stops growing the product early instead
+    of spending a minute on 2048^3; a fast one reaches the full size. Constructed timings."""
+    from core.bench import roofline
+
+    sizes = []
+
+    def fake_best_of(fn, reps, device):
+        fn()
+        n = sizes[-1]
+        return 2 * n**3 / (gflops * 1e9)
+
+    real_randn = torch.randn
+    monkeypatch.setattr(roofline.torch, "randn", lambda n, m, **kw: (sizes.append(n), real_randn(2, 2, **kw))[1])
+    monkeypatch.setattr(roofline, "_best_of", fake_best_of)
+    assert roofline.measure_matmul_gflops(torch.float32, 2048, budget_s=0.5) == pytest.approx(gflops, rel=1e-9)
+    assert sizes[-1] == size

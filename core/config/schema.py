@@ -26,7 +26,7 @@ DTYPE_NAMES = ("fp32", "bf16")
 class ModelConfig:
     name: str = "smollm2-135m"
     path: str | None = None  # HF directory or GGUF file; None: the embedded default model
-    dtype: str = "bf16"  # bf16 | fp32
+    dtype: str = "auto"  # auto (bf16 where the device computes it natively, else fp32) | bf16 | fp32
     max_model_len: int = 2048  # prompt + output tokens per sequence
     device: str = "auto"  # auto (cuda when available, else cpu) | cpu | cuda | cuda:N
     load_format: str = "auto"  # auto: the weights at `path`; dummy: random weights of `shape` (no download)

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from core.config.schema import DTYPE_NAMES, ENGINE_KINDS, EngineConfig, ModelConfig, ParallelConfig, section, to_dict
+from core.engine.defaults import fill_device_defaults, resolve_device
 from core.engine.hardware import load_hardware
 from core.engine.interfaces import has_capability
 from core.engine.registry import Registry, get_registry
@@ -38,35 +39,12 @@ def engine_config(cfg: Any, registry: Registry | None = None) -> EngineConfig:
                       parallel=section(ParallelConfig, cfg.get("parallel"), "parallel"),
                       **{kind: component_config(registry, kind, cfg.get(kind)) for kind in ENGINE_KINDS})
     simulated = is_simulated(ec, registry)
-    fill_step_budget(ec, simulated)
+    fill_device_defaults(ec, simulated)
     validate(ec)
     if simulated and ec.parallel.tensor_parallel_size > 1:
         raise ConfigError("backend=simulator models tensor parallelism itself: use backend.tensor_parallel_size")
     check_parallel(ec)
     return ec
-
-
-# A step's token budget when the config leaves it null, per device, as vLLM picks its defaults per
-# device. Every running decode waits through the step's prefill chunk: on 2 CPU cores a 1,024-token
-# step takes about half a second (chat_longtail TPOT p50 277 ms), 256 tokens keep TPOT p50 at 133 ms
-# for 0.94x the output (reports/chunk-budget-chat_longtail); on a GPU 1,024 tokens take milliseconds.
-STEP_BUDGET = {"cpu": 256, "cuda": 1024}
-
-
-def default_step_budget(ec: EngineConfig, simulated: bool) -> int:
-    """Tokens per step for the device the engine runs on, or the simulator's device (its `cpu`
-    profile is this machine's CPU)."""
-    if simulated:
-        on_cpu = ec.hardware is not None and ec.hardware.name == "cpu"
-    else:
-        on_cpu = resolve_device(ec.model.device).type == "cpu"
-    return STEP_BUDGET["cpu" if on_cpu else "cuda"]
-
-
-def fill_step_budget(ec: EngineConfig, simulated: bool) -> None:
-    """A null `scheduler.max_num_batched_tokens` becomes the device's default; a given one stays."""
-    if ec.scheduler.max_num_batched_tokens is None:
-        ec.scheduler.max_num_batched_tokens = default_step_budget(ec, simulated)
 
 
 def is_simulated(ec: EngineConfig, registry: Registry) -> bool:
@@ -90,8 +68,8 @@ def typed(config: EngineConfig, registry: Registry) -> EngineConfig:
     """The same config with each component section as its plugin's dataclass (for configs built
     in code from the base classes)."""
     config = dataclasses.replace(config, **{k: component_config(registry, k, getattr(config, k)) for k in ENGINE_KINDS})
-    if config.scheduler.max_num_batched_tokens is None:
-        fill_step_budget(config, is_simulated(config, registry))
+    if config.scheduler.max_num_batched_tokens is None or config.model.dtype == "auto":
+        fill_device_defaults(config, is_simulated(config, registry))
     return config
 
 
@@ -99,7 +77,7 @@ def validate(ec: EngineConfig) -> None:
     if ec.cache.dtype not in ("auto", "int8"):
         raise ConfigError(f"cache.dtype must be auto or int8, got '{ec.cache.dtype}'")
     if ec.model.dtype not in DTYPE_NAMES:
-        raise ConfigError(f"model.dtype must be one of {', '.join(DTYPE_NAMES)}, got '{ec.model.dtype}'")
+        raise ConfigError(f"model.dtype must be auto, {' or '.join(DTYPE_NAMES)}, got '{ec.model.dtype}'")
     if ec.model.max_model_len < 2:
         raise ConfigError(f"model.max_model_len must be at least 2 (a prompt token and an output token), got "
                           f"{ec.model.max_model_len}")
@@ -118,21 +96,6 @@ def require_shedding(ec: EngineConfig, what: str, registry: Registry | None = No
     if "deadlines" not in getattr(factory, "capabilities", ()):
         raise ConfigError(f"{what} needs a scheduler that predicts TTFT (scheduler=slo); "
                           f"'{ec.scheduler.name}' does not")
-
-
-def resolve_device(name: str) -> torch.device:
-    """`auto`: the first CUDA device when there is one, else the CPU."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        raise ConfigError(f"model.device must be auto, cpu, cuda or cuda:N, got '{name}'") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"model.device={name}, but this machine has no CUDA device (use auto or cpu)")
-    if device.type not in ("cpu", "cuda"):
-        raise ConfigError(f"model.device must be auto, cpu, cuda or cuda:N, got '{name}'")
-    return device
 
 
 def resolve_model_path(config: EngineConfig) -> str:

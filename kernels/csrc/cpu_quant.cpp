@@ -8,6 +8,12 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && !defined(SERVELAB_PORTABLE)
 #include <immintrin.h>
 #define SERVELAB_VNNI 1
+#define SERVELAB_SIMD 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(SERVELAB_PORTABLE)
+// AVX2 without VNNI (e.g. AMD Zen 2/3): the same sums from vpmaddubsw / vpmaddwd pairs
+#include <immintrin.h>
+#define SERVELAB_AVX2 1
+#define SERVELAB_SIMD 1
 #endif
 
 #ifndef SERVELAB_NS
@@ -94,8 +100,8 @@ void q4_rows_portable(const uint8_t* w, const at::Half* dm, const QuantizedRows&
 // (bytes g*16..g*16+15: low nibbles = inputs 0..15 of group g, high nibbles = inputs 16..31), so
 // two u8 x s8 dot products give each group's sum in 4 int32 lanes.
 template <int MR, typename OT>
-inline void q4_row_vnni(const uint8_t* wr, const at::Half* dmr, const QuantizedRows& x, const float* dxe,
-                        const float* sxe, int64_t m0, OT* out, int64_t N, int64_t n) {
+inline void q4_row(const uint8_t* wr, const at::Half* dmr, const QuantizedRows& x, const float* dxe,
+                   const float* sxe, int64_t m0, OT* out, int64_t N, int64_t n) {
   const int64_t C = x.C, KH = C * 64, bytes = x.G * 16;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   const __m512i idx_d = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
@@ -123,6 +129,51 @@ inline void q4_row_vnni(const uint8_t* wr, const at::Half* dmr, const QuantizedR
   for (int j = 0; j < MR; ++j) out[(m0 + j) * N + n] = static_cast<OT>(_mm512_reduce_add_ps(acc[j]));
 }
 
+#endif
+
+#ifdef SERVELAB_AVX2
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// As the VNNI kernel, 32 bytes (2 groups) at a time: u8 x s8 pairs to int16 (15 * 127 * 2 for a
+// nibble half, twice that for both: no saturation), then pairs of int16 to int32, 4 lanes a group.
+template <int MR, typename OT>
+inline void q4_row(const uint8_t* wr, const at::Half* dmr, const QuantizedRows& x, const float* dxe,
+                   const float* sxe, int64_t m0, OT* out, int64_t N, int64_t n) {
+  const int64_t C = x.C, KH = C * 64, bytes = x.G * 16;  // bytes: a multiple of 32 (K of 64)
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i idx_d[2] = {_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3)};
+  const __m256i idx_m[2] = {_mm256_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5), _mm256_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7)};
+  __m256 acc[MR];
+  for (int j = 0; j < MR; ++j) acc[j] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < bytes; b += 32) {
+    const int64_t c = b / 64, h = (b / 32) % 2;
+    const __m256i wv = _mm256_loadu_si256((const __m256i*)(wr + b));
+    const __m256i lo = _mm256_and_si256(wv, low4);
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(wv, 4), low4);
+    const __m256 dm8 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dmr + c * 8)));
+    const __m256 d = _mm256_permutevar8x32_ps(dm8, idx_d[h]);
+    const __m256 mn = _mm256_permutevar8x32_ps(dm8, idx_m[h]);
+    for (int j = 0; j < MR; ++j) {
+      const int64_t m = m0 + j;
+      const __m256i p = _mm256_add_epi16(
+          _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i*)(x.lo.data() + m * KH + b))),
+          _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i*)(x.hi.data() + m * KH + b))));
+      const __m256i s = _mm256_madd_epi16(p, ones);
+      const int64_t e = (m * C + c) * 16 + h * 8;
+      const __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(s), _mm256_loadu_ps(dxe + e));
+      acc[j] = _mm256_fmadd_ps(t, d, acc[j]);
+      acc[j] = _mm256_fmadd_ps(mn, _mm256_loadu_ps(sxe + e), acc[j]);
+    }
+  }
+  for (int j = 0; j < MR; ++j) out[(m0 + j) * N + n] = static_cast<OT>(hsum8(acc[j]));
+}
+#endif
+
+#ifdef SERVELAB_SIMD
 // Each group's activation scale and sum spread over its 4 lanes (the sum divided by 4, as the
 // 4 lanes of a group are added at the end).
 void spread(const QuantizedRows& x, std::vector<float>& dxe, std::vector<float>& sxe) {
@@ -147,7 +198,7 @@ torch::Tensor q4_linear_impl(const torch::Tensor& x, const torch::Tensor& w, con
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const at::Half* dmp = dm.data_ptr<at::Half>();
   T* yp = y.data_ptr<T>();
-#ifdef SERVELAB_VNNI
+#ifdef SERVELAB_SIMD
   std::vector<float> dxe, sxe;
   spread(xq, dxe, sxe);
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
@@ -155,11 +206,11 @@ torch::Tensor q4_linear_impl(const torch::Tensor& x, const torch::Tensor& w, con
       const uint8_t* wr = wp + n * xq.G * 16;
       const at::Half* dmr = dmp + n * xq.C * 8;
       int64_t m = 0;
-      for (; m + 4 <= M; m += 4) q4_row_vnni<4>(wr, dmr, xq, dxe.data(), sxe.data(), m, yp, N, n);
+      for (; m + 4 <= M; m += 4) q4_row<4>(wr, dmr, xq, dxe.data(), sxe.data(), m, yp, N, n);
       switch (M - m) {
-        case 3: q4_row_vnni<3>(wr, dmr, xq, dxe.data(), sxe.data(), m, yp, N, n); break;
-        case 2: q4_row_vnni<2>(wr, dmr, xq, dxe.data(), sxe.data(), m, yp, N, n); break;
-        case 1: q4_row_vnni<1>(wr, dmr, xq, dxe.data(), sxe.data(), m, yp, N, n); break;
+        case 3: q4_row<3>(wr, dmr, xq, dxe.data(), sxe.data(), m, yp, N, n); break;
+        case 2: q4_row<2>(wr, dmr, xq, dxe.data(), sxe.data(), m, yp, N, n); break;
+        case 1: q4_row<1>(wr, dmr, xq, dxe.data(), sxe.data(), m, yp, N, n); break;
         default: break;
       }
     }
@@ -195,8 +246,8 @@ std::vector<int16_t> quantize_rows16(const T* x, int64_t M, int64_t K, std::vect
 
 #ifdef SERVELAB_VNNI
 template <int MR, typename OT>
-inline void q8_row_vnni(const int8_t* wr, const int16_t* xq, const float* dx, int64_t K, int64_t m0, float scale,
-                        OT* out, int64_t N, int64_t n) {
+inline void q8_row(const int8_t* wr, const int16_t* xq, const float* dx, int64_t K, int64_t m0, float scale,
+                   OT* out, int64_t N, int64_t n) {
   __m512 facc[MR];
   for (int j = 0; j < MR; ++j) facc[j] = _mm512_setzero_ps();
   for (int64_t k0 = 0; k0 < K; k0 += KB) {
@@ -222,6 +273,31 @@ inline void q8_row_vnni(const int8_t* wr, const int16_t* xq, const float* dx, in
   for (int j = 0; j < MR; ++j)
     out[(m0 + j) * N + n] = static_cast<OT>(scale * dx[m0 + j] * _mm512_reduce_add_ps(facc[j]));
 }
+#elif defined(SERVELAB_AVX2)
+// 16 inputs a step: int8 weights widened to int16, pairs of s16 x s16 products into int32 lanes
+// (exact over a block of KB inputs: 256 products a lane).
+template <int MR, typename OT>
+inline void q8_row(const int8_t* wr, const int16_t* xq, const float* dx, int64_t K, int64_t m0, float scale,
+                   OT* out, int64_t N, int64_t n) {
+  __m256 facc[MR];
+  for (int j = 0; j < MR; ++j) facc[j] = _mm256_setzero_ps();
+  for (int64_t k0 = 0; k0 < K; k0 += KB) {
+    const int64_t k1 = std::min(K, k0 + KB);
+    __m256i acc[2][MR];  // even and odd steps: two dependency chains a row
+    for (int j = 0; j < MR; ++j) acc[0][j] = acc[1][j] = _mm256_setzero_si256();
+    for (int64_t k = k0; k < k1; k += 32) {  // K is a multiple of 32
+      for (int u = 0; u < 2; ++u) {
+        const __m256i w = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(wr + k + 16 * u)));
+        for (int j = 0; j < MR; ++j)
+          acc[u][j] = _mm256_add_epi32(acc[u][j], _mm256_madd_epi16(w, _mm256_loadu_si256(
+                                                      (const __m256i*)(xq + (m0 + j) * K + k + 16 * u))));
+      }
+    }
+    for (int j = 0; j < MR; ++j)
+      facc[j] = _mm256_add_ps(facc[j], _mm256_cvtepi32_ps(_mm256_add_epi32(acc[0][j], acc[1][j])));
+  }
+  for (int j = 0; j < MR; ++j) out[(m0 + j) * N + n] = static_cast<OT>(scale * dx[m0 + j] * hsum8(facc[j]));
+}
 #endif
 
 template <typename T>
@@ -235,16 +311,16 @@ torch::Tensor q8_linear_impl(const torch::Tensor& x, const torch::Tensor& w, con
   auto sc = scales.to(torch::kFloat32).contiguous();
   const float* sp = sc.data_ptr<float>();
   T* yp = y.data_ptr<T>();
-#ifdef SERVELAB_VNNI
+#ifdef SERVELAB_SIMD
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       const int8_t* wr = wp + n * K;
       int64_t m = 0;
-      for (; m + 4 <= M; m += 4) q8_row_vnni<4>(wr, xq.data(), dx.data(), K, m, sp[n], yp, N, n);
+      for (; m + 4 <= M; m += 4) q8_row<4>(wr, xq.data(), dx.data(), K, m, sp[n], yp, N, n);
       switch (M - m) {
-        case 3: q8_row_vnni<3>(wr, xq.data(), dx.data(), K, m, sp[n], yp, N, n); break;
-        case 2: q8_row_vnni<2>(wr, xq.data(), dx.data(), K, m, sp[n], yp, N, n); break;
-        case 1: q8_row_vnni<1>(wr, xq.data(), dx.data(), K, m, sp[n], yp, N, n); break;
+        case 3: q8_row<3>(wr, xq.data(), dx.data(), K, m, sp[n], yp, N, n); break;
+        case 2: q8_row<2>(wr, xq.data(), dx.data(), K, m, sp[n], yp, N, n); break;
+        case 1: q8_row<1>(wr, xq.data(), dx.data(), K, m, sp[n], yp, N, n); break;
         default: break;
       }
     }
@@ -267,7 +343,7 @@ torch::Tensor q8_linear_impl(const torch::Tensor& x, const torch::Tensor& w, con
 }
 
 bool portable_build() {
-#ifdef SERVELAB_VNNI
+#ifdef SERVELAB_SIMD
   return false;
 #else
   return true;
@@ -342,21 +418,24 @@ torch::Tensor q4_matmul(const torch::Tensor& x, const torch::Tensor& w, const to
   return at::linear(x.to(dtype), q4_dequantize(w, dm, dtype)).to(x.scalar_type());
 }
 
-// The INT8 weights times their row scales as bf16, rows [n0, n1) to `op` (row n0 first), in one
-// pass; each product is rounded once, as torch's bf16 `w.to(bf16) * s` rounds it.
-void q8_dequantize_rows(const int8_t* wp, const float* sp, at::BFloat16* op, int64_t K, int64_t n0, int64_t n1) {
+// The INT8 weights times their row scales in T (bf16, or fp32 for fp32 activations), rows [n0, n1)
+// to `op` (row n0 first), in one pass; each product is rounded once, as torch's `w.to(T) * s` rounds it.
+template <typename T>
+void q8_dequantize_rows(const int8_t* wp, const float* sp, T* op, int64_t K, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; ++n) {
     const int8_t* b = wp + n * K;
-    at::BFloat16* o = op + (n - n0) * K;
+    T* o = op + (n - n0) * K;
     int64_t k = 0;
 #if defined(SERVELAB_VNNI) && defined(__AVX512BF16__)
-    const __m512 sv = _mm512_set1_ps(sp[n]);
-    for (; k + 16 <= K; k += 16) {
-      const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(b + k))));
-      _mm256_storeu_si256((__m256i*)(o + k), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(v, sv)));
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+      const __m512 sv = _mm512_set1_ps(sp[n]);
+      for (; k + 16 <= K; k += 16) {
+        const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(b + k))));
+        _mm256_storeu_si256((__m256i*)(o + k), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(v, sv)));
+      }
     }
 #endif
-    for (; k < K; ++k) o[k] = static_cast<at::BFloat16>(static_cast<float>(b[k]) * sp[n]);
+    for (; k < K; ++k) o[k] = static_cast<T>(static_cast<float>(b[k]) * sp[n]);
   }
 }
 
@@ -376,23 +455,31 @@ torch::Tensor q8_dequantize(const torch::Tensor& w, const torch::Tensor& scales)
 // DRAM writes costing SmolLM2's head 2.6x the bf16 GEMM instead of about 1.05x.
 constexpr int64_t SLAB_ROWS = 2048;
 
-torch::Tensor q8_matmul(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales,
-                        int64_t gemv_rows) {
-  if (x.size(0) <= gemv_rows) return q8_linear(x, w, scales);
+// The GEMM in T over the weight dequantized slab by slab; x [M, K] already in T.
+template <typename T>
+torch::Tensor q8_gemm(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales) {
   const int64_t N = w.size(0), K = w.size(1), M = x.size(0);
-  const auto xb = x.to(torch::kBFloat16).contiguous();
-  if (N <= 2 * SLAB_ROWS) return at::linear(xb, q8_dequantize(w, scales)).to(x.scalar_type());
   const auto s = scales.to(torch::kFloat32).contiguous();
-  auto y = torch::empty({M, N}, xb.options());
-  auto slab = torch::empty({SLAB_ROWS, K}, xb.options());
+  auto y = torch::empty({M, N}, x.options());
+  auto slab = torch::empty({std::min(N, SLAB_ROWS), K}, x.options());
   for (int64_t n0 = 0; n0 < N; n0 += SLAB_ROWS) {
     const int64_t n1 = std::min(N, n0 + SLAB_ROWS);
     at::parallel_for(n0, n1, 16, [&](int64_t a, int64_t b) {
-      q8_dequantize_rows(w.data_ptr<int8_t>(), s.data_ptr<float>(), slab.data_ptr<at::BFloat16>() + (a - n0) * K, K, a, b);
+      q8_dequantize_rows(w.data_ptr<int8_t>(), s.data_ptr<float>(), slab.data_ptr<T>() + (a - n0) * K, K, a, b);
     });
-    y.narrow(1, n0, n1 - n0).copy_(at::mm(xb, slab.narrow(0, 0, n1 - n0).t()));
+    if (n0 == 0 && n1 == N) return at::linear(x, slab);
+    y.narrow(1, n0, n1 - n0).copy_(at::mm(x, slab.narrow(0, 0, n1 - n0).t()));
   }
-  return y.to(x.scalar_type());
+  return y;
+}
+
+// The GEMV up to `gemv_rows` rows, else a GEMM in x's precision (bf16 unless x is fp32: an
+// AVX2-only CPU runs bf16 GEMMs 8x slower than fp32).
+torch::Tensor q8_matmul(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales,
+                        int64_t gemv_rows) {
+  if (x.size(0) <= gemv_rows) return q8_linear(x, w, scales);
+  if (x.scalar_type() == torch::kFloat32) return q8_gemm<float>(x.contiguous(), w, scales);
+  return q8_gemm<at::BFloat16>(x.to(torch::kBFloat16).contiguous(), w, scales).to(x.scalar_type());
 }
 
 }  // namespace

@@ -1,0 +1,91 @@
+"""Defaults that depend on the device the engine runs on, resolved once into the config (so that
+reports record the value that ran): the step's token budget and the model's compute dtype."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from core.config.schema import EngineConfig
+from core.errors import ConfigError
+
+log = logging.getLogger("servelab")
+
+# A step's token budget when the config leaves it null, per device, as vLLM picks its defaults per
+# device. Every running decode waits through the step's prefill chunk: on 2 CPU cores a 1,024-token
+# step takes about half a second (chat_longtail TPOT p50 277 ms), 256 tokens keep TPOT p50 at 133 ms
+# for 0.94x the output (reports/chunk-budget-chat_longtail); on a GPU 1,024 tokens take milliseconds.
+STEP_BUDGET = {"cpu": 256, "cuda": 1024}
+
+# CPU features with which bf16 matmuls run in hardware. Without them (AVX2-only x86, such as AMD
+# EPYC Zen 3) torch 2.13 runs a bf16 linear of 64 x 576 x 1,536 at about 19 GFLOP/s against 120 in
+# fp32, and a bf16 `mm` at about 1 GFLOP/s, so `auto` takes fp32 there.
+NATIVE_BF16_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}  # x86 flags; `bf16` is the Arm Features name
+
+
+def cpu_feature_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (x86 `flags`, Arm `Features`); empty if unreadable."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Whether the device multiplies bf16 in hardware (else bf16 is emulated and slower than fp32)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return bool(NATIVE_BF16_FLAGS & cpu_feature_flags())
+
+
+def resolve_device(name: str) -> torch.device:
+    """`auto`: the first CUDA device when there is one, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"model.device must be auto, cpu, cuda or cuda:N, got '{name}'") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"model.device={name}, but this machine has no CUDA device (use auto or cpu)")
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"model.device must be auto, cpu, cuda or cuda:N, got '{name}'")
+    return device
+
+
+def on_cpu(ec: EngineConfig, simulated: bool) -> bool:
+    """Whether the engine runs on a CPU: this machine's, or the simulator's `cpu` profile."""
+    if simulated:
+        return ec.hardware is not None and ec.hardware.name == "cpu"
+    return resolve_device(ec.model.device).type == "cpu"
+
+
+def default_step_budget(ec: EngineConfig, simulated: bool) -> int:
+    """Tokens per step for the device the engine runs on, or the simulator's device (its `cpu`
+    profile is this machine's CPU)."""
+    return STEP_BUDGET["cpu" if on_cpu(ec, simulated) else "cuda"]
+
+
+def default_dtype(ec: EngineConfig, simulated: bool) -> str:
+    """bf16 where the device computes it natively, else fp32. A simulated GPU profile is bf16; the
+    simulator's `cpu` profile is this machine's CPU."""
+    if simulated and not on_cpu(ec, simulated):
+        return "bf16"
+    device = torch.device("cpu") if simulated else resolve_device(ec.model.device)
+    return "bf16" if native_bf16(device) else "fp32"
+
+
+def fill_device_defaults(ec: EngineConfig, simulated: bool) -> None:
+    """A null `scheduler.max_num_batched_tokens` and `model.dtype=auto` become the device's
+    defaults; values the config gives stay."""
+    if ec.scheduler.max_num_batched_tokens is None:
+        ec.scheduler.max_num_batched_tokens = default_step_budget(ec, simulated)
+    if ec.model.dtype == "auto":
+        ec.model.dtype = default_dtype(ec, simulated)
+        if ec.model.dtype == "fp32":
+            log.info("model.dtype=auto: fp32, as this CPU has no native bf16 (AVX512-BF16 or AMX)")
