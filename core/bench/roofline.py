@@ -77,7 +77,8 @@ def machine_rates(remeasure: bool = False, device="cpu") -> dict:
     device = torch.device(device)
     info = machine_info()
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-    ident = {k: info[k] for k in ("cpu", "cores", "torch_threads", "torch")} | {"gpu": gpu}
+    # "method": rates cached by an earlier way of measuring (a 2048^3 `mm`) must not serve
+    ident = {k: info[k] for k in ("cpu", "cores", "torch_threads", "torch")} | {"gpu": gpu, "method": "linear"}
     key = hashlib.sha1(json.dumps(ident).encode())
     path = CACHE_DIR / f"machine-{key.hexdigest()[:12]}.json"
     if path.exists() and not remeasure:
