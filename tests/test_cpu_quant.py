@@ -117,6 +117,20 @@ def test_q8_matmul_many_fp32_rows_stays_in_fp32(n):
     torch.testing.assert_close(got, x @ (w.float() * scales.float()[:, None]).T, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [300, 4097, 6000])  # one dequantized weight; past 2 slabs of 2048 rows, with a part slab
+def test_q4_matmul_many_rows_is_the_product_in_the_activations_dtype(n, dtype):
+    q, d, m = q4_case(n, 128)
+    nibbles, dm = pack_q4(q, d, m)
+    x = torch.randn(20, 128, generator=g).to(dtype)
+    got = cpu_quant.ops().q4_matmul(x, nibbles, dm, 12)
+    assert got.dtype == dtype
+    w = dequantize_q4_ref(nibbles, dm).to(dtype).float()
+    want = (x.float() @ w.T).to(dtype)
+    tol = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=8e-3)  # the sums' order
+    torch.testing.assert_close(got, want, **tol)
+
+
 @pytest.mark.parametrize("rows", [1, 5, 12, 13, 40])  # the GEMV up to Q4_GEMV_ROWS, then the dequantized GEMM
 @pytest.mark.parametrize("group", [32, 128])
 def test_int4_module_on_both_paths(rows, group):

@@ -377,7 +377,7 @@ void q4_dequantize_rows(const uint8_t* wp, const at::Half* dmp, T* op, int64_t G
       const float d = static_cast<float>(dmp[(n * C + g / 4) * 8 + g % 4]);
       const float mn = static_cast<float>(dmp[(n * C + g / 4) * 8 + 4 + g % 4]);
       const uint8_t* b = wp + n * G * 16 + g * 16;
-      T* o = op + n * G * GROUP + g * GROUP;
+      T* o = op + (n - n0) * G * GROUP + g * GROUP;
 #if defined(SERVELAB_VNNI) && defined(__AVX512BF16__)
       if constexpr (std::is_same_v<T, at::BFloat16>) {
         const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)b));
@@ -386,6 +386,19 @@ void q4_dequantize_rows(const uint8_t* wp, const at::Half* dmp, T* op, int64_t G
         const __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), _mm512_set1_ps(d), _mm512_set1_ps(mn));
         _mm256_storeu_si256((__m256i*)o, (__m256i)_mm512_cvtneps_pbh(lo));
         _mm256_storeu_si256((__m256i*)(o + 16), (__m256i)_mm512_cvtneps_pbh(hi));
+        continue;
+      }
+#endif
+#ifdef SERVELAB_SIMD
+      if constexpr (std::is_same_v<T, float>) {  // q * d then + m, rounded twice as the scalar loop and torch
+        const __m256 dv = _mm256_set1_ps(d), mv = _mm256_set1_ps(mn);
+        for (int half = 0; half < 2; ++half) {
+          const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(b + 8 * half)));
+          const __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15)));
+          const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+          _mm256_storeu_ps(o + 8 * half, _mm256_add_ps(_mm256_mul_ps(lo, dv), mv));
+          _mm256_storeu_ps(o + 16 + 8 * half, _mm256_add_ps(_mm256_mul_ps(hi, dv), mv));
+        }
         continue;
       }
 #endif
@@ -403,10 +416,43 @@ torch::Tensor q4_dequantize(const torch::Tensor& w, const torch::Tensor& dm, c10
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const at::Half* dmp = dm.data_ptr<at::Half>();
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-    if (bf16) q4_dequantize_rows(wp, dmp, out.data_ptr<at::BFloat16>(), G, C, n0, n1);
-    else q4_dequantize_rows(wp, dmp, out.data_ptr<float>(), G, C, n0, n1);
+    if (bf16) q4_dequantize_rows(wp, dmp, out.data_ptr<at::BFloat16>() + n0 * G * GROUP, G, C, n0, n1);
+    else q4_dequantize_rows(wp, dmp, out.data_ptr<float>() + n0 * G * GROUP, G, C, n0, n1);
   });
   return out.scalar_type() == dtype ? out : out.to(dtype);
+}
+
+// A weight past 2 slabs (the head: 49152 rows) is dequantized a slab at a time into one buffer
+// that stays in cache: the whole of it would be a fresh 57 MB (113 MB in fp32) each call, its page
+// faults and DRAM writes costing SmolLM2's head 2.6x the bf16 GEMM instead of about 1.05x.
+constexpr int64_t SLAB_ROWS = 2048;
+
+// y = x . W^T in T (x [M, K] already in T), W [N, K] made by `dequantize(out, n0, n1)`, which
+// writes rows [n0, n1) to `out` (row n0 first).
+template <typename T, typename Dequantize>
+torch::Tensor slab_gemm(const torch::Tensor& x, int64_t N, int64_t K, Dequantize dequantize) {
+  const int64_t rows = N <= 2 * SLAB_ROWS ? N : SLAB_ROWS;
+  auto slab = torch::empty({rows, K}, x.options());
+  T* base = slab.data_ptr<T>();
+  if (rows == N) {
+    at::parallel_for(0, N, 16, [&](int64_t a, int64_t b) { dequantize(base + a * K, a, b); });
+    return at::linear(x, slab);
+  }
+  auto y = torch::empty({x.size(0), N}, x.options());
+  for (int64_t n0 = 0; n0 < N; n0 += rows) {
+    const int64_t n1 = std::min(N, n0 + rows);
+    at::parallel_for(n0, n1, 16, [&](int64_t a, int64_t b) { dequantize(base + (a - n0) * K, a, b); });
+    y.narrow(1, n0, n1 - n0).copy_(at::mm(x, slab.narrow(0, 0, n1 - n0).t()));
+  }
+  return y;
+}
+
+template <typename T>
+torch::Tensor q4_gemm(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& dm) {
+  const int64_t N = w.size(0), G = w.size(1) / 16, C = dm.size(1);
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const at::Half* dmp = dm.data_ptr<at::Half>();
+  return slab_gemm<T>(x, N, G * GROUP, [&](T* out, int64_t a, int64_t b) { q4_dequantize_rows(wp, dmp, out, G, C, a, b); });
 }
 
 // One op for either path, so that a compiled graph holds no branch on the number of rows (a
@@ -414,8 +460,8 @@ torch::Tensor q4_dequantize(const torch::Tensor& w, const torch::Tensor& dm, c10
 // dequantized for this call (bf16, or fp32 for fp32 activations).
 torch::Tensor q4_matmul(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& dm, int64_t gemv_rows) {
   if (x.size(0) <= gemv_rows) return q4_linear(x, w, dm);
-  const auto dtype = x.scalar_type() == torch::kFloat32 ? torch::kFloat32 : torch::kBFloat16;
-  return at::linear(x.to(dtype), q4_dequantize(w, dm, dtype)).to(x.scalar_type());
+  if (x.scalar_type() == torch::kFloat32) return q4_gemm<float>(x.contiguous(), w, dm);
+  return q4_gemm<at::BFloat16>(x.to(torch::kBFloat16).contiguous(), w, dm).to(x.scalar_type());
 }
 
 // The INT8 weights times their row scales in T (bf16, or fp32 for fp32 activations), rows [n0, n1)
@@ -450,27 +496,13 @@ torch::Tensor q8_dequantize(const torch::Tensor& w, const torch::Tensor& scales)
   return out;
 }
 
-// A weight past 2 slabs (the head: 49152 rows) is dequantized a slab at a time into one buffer
-// that stays in cache: the whole of it would be a fresh 57 MB each call, its page faults and
-// DRAM writes costing SmolLM2's head 2.6x the bf16 GEMM instead of about 1.05x.
-constexpr int64_t SLAB_ROWS = 2048;
-
-// The GEMM in T over the weight dequantized slab by slab; x [M, K] already in T.
 template <typename T>
 torch::Tensor q8_gemm(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales) {
-  const int64_t N = w.size(0), K = w.size(1), M = x.size(0);
+  const int64_t K = w.size(1);
   const auto s = scales.to(torch::kFloat32).contiguous();
-  auto y = torch::empty({M, N}, x.options());
-  auto slab = torch::empty({std::min(N, SLAB_ROWS), K}, x.options());
-  for (int64_t n0 = 0; n0 < N; n0 += SLAB_ROWS) {
-    const int64_t n1 = std::min(N, n0 + SLAB_ROWS);
-    at::parallel_for(n0, n1, 16, [&](int64_t a, int64_t b) {
-      q8_dequantize_rows(w.data_ptr<int8_t>(), s.data_ptr<float>(), slab.data_ptr<T>() + (a - n0) * K, K, a, b);
-    });
-    if (n0 == 0 && n1 == N) return at::linear(x, slab);
-    y.narrow(1, n0, n1 - n0).copy_(at::mm(x, slab.narrow(0, 0, n1 - n0).t()));
-  }
-  return y;
+  const int8_t* wp = w.data_ptr<int8_t>();
+  const float* sp = s.data_ptr<float>();
+  return slab_gemm<T>(x, w.size(0), K, [&](T* out, int64_t a, int64_t b) { q8_dequantize_rows(wp, sp, out, K, a, b); });
 }
 
 // The GEMV up to `gemv_rows` rows, else a GEMM in x's precision (bf16 unless x is fp32: an
