@@ -49,6 +49,17 @@ def example_plugin():
         sys.path.remove(str(EXAMPLE))
 
 
+def pytest_sessionstart(session):
+    """The C++ kernels built (or loaded from the cache) before any test runs, so that no test's
+    subprocess (a CLI run under a timeout, a server, a tensor-parallel rank) compiles them on its
+    own clock: on a slow machine three builds take minutes."""
+    from kernels import cpu_attention, cpu_ops, cpu_quant
+
+    cpu_ops.load()
+    cpu_attention.load()
+    cpu_quant.ops()
+
+
 def pytest_collection_modifyitems(config, items):
     """CUDA-only tests are deselected, not skipped, on a machine without CUDA: a skip must mean a
     broken install (see pytest_sessionfinish), and this is no install's fault."""

@@ -100,6 +100,25 @@ def test_auto_dtype_is_bf16_only_where_the_cpu_computes_it(monkeypatch, flags, d
     assert engine_config(compose(["model.device=cpu", "model.dtype=bf16"])).model.dtype == "bf16"
 
 
+def test_fp32_for_want_of_bf16_is_said_at_engine_start_not_while_validating(monkeypatch, tiny_llama, caplog):
+    """The reason is logged beside the KV pool once the engine builds: a config error before that
+    stays the one line the CLI promises."""
+    import logging
+    from dataclasses import replace
+
+    from core.engine.engine import Engine
+
+    monkeypatch.setattr(defaults, "cpu_feature_flags", lambda: {"avx2", "fma"})
+    with caplog.at_level(logging.INFO, logger="servelab"):
+        ec = engine_config(compose(["model.device=cpu", f"model.path={tiny_llama}", "model.max_model_len=64"]))
+        assert ec.model.dtype == "fp32" and caplog.text == ""
+        Engine(ec)
+    assert "model: fp32, as this CPU has no native bf16" in caplog.text
+    assert defaults.describe_dtype(replace(ec, model=replace(ec.model, dtype="bf16")), torch.device("cpu")) is None
+    monkeypatch.setattr(defaults, "cpu_feature_flags", lambda: {"avx512_bf16"})
+    assert defaults.describe_dtype(ec, torch.device("cpu")) is None  # fp32 asked for where bf16 is native
+
+
 def test_auto_dtype_of_a_simulated_gpu_is_bf16(monkeypatch):
     monkeypatch.setattr(defaults, "cpu_feature_flags", lambda: {"avx2"})
     ec = engine_config(compose(["backend=simulator", "hardware=a100-80gb", "model=llama-3.1-8b"]))

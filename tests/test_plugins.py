@@ -1,6 +1,7 @@
 """The plugin core: registry, errors, listing, and a real third-party package installed by pip."""
 
 import shutil
+import site
 import subprocess
 import sys
 import venv
@@ -67,10 +68,16 @@ def test_sjf_picks_shortest_jobs_and_bounds_starvation(example_plugin):
 
 def test_third_party_package_installs_and_is_usable_by_name(tmp_path, tiny_llama):
     env_dir = tmp_path / "venv"
-    # A venv over this environment (servelab and its deps visible), without its own pip and old
-    # setuptools, so this environment's pip and setuptools build the plugin offline.
-    venv.EnvBuilder(system_site_packages=True, with_pip=False).create(env_dir)
+    # A venv over this environment (servelab and its deps visible, the editable install's finder
+    # included), without its own pip, so this environment's pip and setuptools build the plugin
+    # offline. Not system_site_packages: from inside a venv that is the base interpreter's, whose
+    # setuptools may be too old to build a wheel.
+    venv.EnvBuilder(with_pip=False).create(env_dir)
     py = str(env_dir / "bin" / "python")
+    inner = subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                           capture_output=True, text=True, check=True).stdout.strip()
+    outer = [d for d in site.getsitepackages() if Path(d).is_dir()]
+    Path(inner, "outer-env.pth").write_text("".join(f"import site; site.addsitedir({d!r})\n" for d in outer))
     source = tmp_path / "example"  # a copy, so the build leaves nothing in the repo
     shutil.copytree(EXAMPLE, source, ignore=shutil.ignore_patterns("build", "*.egg-info"))
     r = subprocess.run([sys.executable, "-m", "pip", "--python", py, "install", "--no-deps", "--no-build-isolation",

@@ -172,7 +172,8 @@ def run_eval(cfg: DictConfig, base_overrides: list[str]) -> int:
 
 def eval_markdown(report: dict) -> str:
     res = report["results"]
-    ref_name = next((n for n, r in res.items() if n != "baseline" and r["overrides"] in ([], ["quant=none"])), None)
+    plain = ([], ["quant=none"], ["quant=none", "model.dtype=bf16"])  # the unquantized variant sizes are against
+    ref_name = next((n for n, r in res.items() if n != "baseline" and r["overrides"] in plain), None)
     ref_bytes = res[ref_name]["weight_bytes"] if ref_name else res["baseline"]["weight_bytes"]
     cats = list(res["baseline"]["categories"])
     head = ["variant", "weight MB", f"x {ref_name or 'baseline'}", "KV B/token", "perplexity"]

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from core.config.schema import DTYPE_NAMES, ENGINE_KINDS, EngineConfig, ModelConfig, ParallelConfig, section, to_dict
-from core.engine.defaults import fill_device_defaults, resolve_device
+from core.engine.defaults import describe_dtype, fill_device_defaults, resolve_device
 from core.engine.hardware import load_hardware
 from core.engine.interfaces import has_capability
 from core.engine.registry import Registry, get_registry
@@ -202,6 +202,8 @@ def _build_parts(config: EngineConfig, registry: Registry, loaded: LoadedModel |
                                 reserved_bytes=reserve)
     if has_capability(allocator, "describe"):
         log.info(allocator.describe())
+    if not simulated and (line := describe_dtype(config, device)):
+        log.info(line)
     backend.init_kv_cache(allocator.num_blocks, allocator.block_size)
     clock = getattr(backend, "clock", None)  # a simulator's virtual clock drives the whole engine
     context = SchedulerContext(clock=clock, sleep=clock.sleep) if clock is not None else SchedulerContext()

@@ -3,15 +3,12 @@ reports record the value that ran): the step's token budget and the model's comp
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 import torch
 
 from core.config.schema import EngineConfig
 from core.errors import ConfigError
-
-log = logging.getLogger("servelab")
 
 # A step's token budget when the config leaves it null, per device, as vLLM picks its defaults per
 # device. Every running decode waits through the step's prefill chunk: on 2 CPU cores a 1,024-token
@@ -87,5 +84,11 @@ def fill_device_defaults(ec: EngineConfig, simulated: bool) -> None:
         ec.scheduler.max_num_batched_tokens = default_step_budget(ec, simulated)
     if ec.model.dtype == "auto":
         ec.model.dtype = default_dtype(ec, simulated)
-        if ec.model.dtype == "fp32":
-            log.info("model.dtype=auto: fp32, as this CPU has no native bf16 (AVX512-BF16 or AMX)")
+
+
+def describe_dtype(ec: EngineConfig, device: torch.device) -> str | None:
+    """A line for the engine's start-up log when fp32 runs because the CPU lacks native bf16 (said
+    once the config is valid, beside the KV pool, so that a config error stays one line)."""
+    if ec.model.dtype == "fp32" and device.type == "cpu" and not native_bf16(device):
+        return "model: fp32, as this CPU has no native bf16 (AVX512-BF16 or AMX); model.dtype=auto takes it here"
+    return None
