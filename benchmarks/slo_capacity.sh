@@ -11,6 +11,10 @@
 #
 #   RATES="0.4 0.6 0.8 1.0 1.3 1.6 2.0" STATIC_RATES="0.2 0.4" bash benchmarks/slo_capacity.sh
 #
+# `continuous` runs at the device's default step budget and, beside it, at each budget in
+# CONTINUOUS_BUDGETS (default 1024: the budget the issue's baseline ran at, before the CPU's default
+# became 256; empty for none).
+#
 # SLO_TPOT_S sets a TPOT target other than the workload's (the report's name then ends in -tpotMS):
 #
 #   SLO_TPOT_S=0.05 STATIC_RATES="" RATES="1.0 1.5 2.0 2.5 3.0 3.5 4.0 5.0" bash benchmarks/slo_capacity.sh
@@ -43,6 +47,7 @@ if [[ "${2:-}" == "ramp" ]]; then
 fi
 read -r -a RATES <<< "${RATES:-1.0 1.5 2.0 2.5 3.0 4.0 5.0}"
 read -r -a STATIC_RATES <<< "${STATIC_RATES-0.2 0.4}"  # empty: no static runs
+read -r -a BUDGETS <<< "${CONTINUOUS_BUDGETS-1024}"
 N="${NUM_REQUESTS:-80}"
 NAME=slo-capacity-chat_longtail
 EXTRA=()
@@ -54,6 +59,9 @@ VARIANTS=()
 for r in "${STATIC_RATES[@]}"; do VARIANTS+=(-v "scheduler=static workload.rate=$r"); done
 for s in continuous slo; do
   for r in "${RATES[@]}"; do VARIANTS+=(-v "scheduler=$s workload.rate=$r"); done
+done
+for b in "${BUDGETS[@]}"; do
+  for r in "${RATES[@]}"; do VARIANTS+=(-v "scheduler=continuous scheduler.max_num_batched_tokens=$b workload.rate=$r"); done
 done
 for r in "${RATES[@]:2}"; do VARIANTS+=(-v "scheduler=slo run.shed=true workload.rate=$r"); done
 python -m core compare "${VARIANTS[@]}" workload=chat_longtail workload.arrival=poisson "workload.num_requests=$N" \
