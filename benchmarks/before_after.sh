@@ -40,4 +40,7 @@ git -C "$TREE" rev-parse HEAD > "$OUT/before/commit"
 [ "${ONLY:-}" = before ] && exit 0  # another REF's half beside an after half already in OUT
 runs "$HERE" after
 extras
-{ git -C "$HERE" rev-parse HEAD; git -C "$HERE" status --short -- . ":(exclude)$OUT" | head -1 | sed 's/^/dirty: /'; } > "$OUT/after/commit"
+# the tree's own changes, the reports being written excluded (a pathspec outside the repository is an error)
+EXCLUDE=()
+case "$OUT/" in "$HERE"/*) EXCLUDE=(":(exclude)$OUT") ;; esac
+{ git -C "$HERE" rev-parse HEAD; git -C "$HERE" status --short -- . "${EXCLUDE[@]}" | head -1 | sed 's/^/dirty: /'; } > "$OUT/after/commit"
