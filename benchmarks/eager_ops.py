@@ -12,22 +12,13 @@ ratios. Writes reports/eager-ops/report.{md,json}.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import time
-from pathlib import Path
 
+from benchmarks.ab import mean_seconds, write_report
 from benchmarks.profile_step import decoding_engine
 from kernels import cpu_ops
 
 ROUNDS = 7
-
-
-def _steps(step, n: int) -> float:
-    t = time.perf_counter()
-    for _ in range(n):
-        step()
-    return (time.perf_counter() - t) / n
 
 
 def side_by_side(step, n: int) -> dict:
@@ -36,9 +27,9 @@ def side_by_side(step, n: int) -> dict:
         step()
     cpp, twin = [], []
     for _ in range(ROUNDS):
-        cpp.append(_steps(step, n))
+        cpp.append(mean_seconds(step, n))
         with cpu_ops.disabled():
-            twin.append(_steps(step, n))
+            twin.append(mean_seconds(step, n))
     ratios = [t / c for c, t in zip(cpp, twin)]
     return {"cpp_ms": statistics.median(cpp) * 1e3, "torch_ms": statistics.median(twin) * 1e3,
             "speedup": statistics.median(ratios), "speedup_range": [min(ratios), max(ratios)], "steps_a_round": n}
@@ -78,11 +69,7 @@ def main(argv=None) -> int:
           f"- made by `python -m benchmarks.eager_ops`\n\n"
           "| step | torch twins, ms | C++ ops, ms | speed-up (range over rounds) |\n|---|---|---|---|\n"
           + "\n".join(rows) + "\n")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "report.md").write_text(md)
-    (out / "report.json").write_text(json.dumps({"machine": m, "rounds": ROUNDS, "cases": cases}, indent=2))
-    print(md)
+    write_report(args.out, md, {"machine": m, "rounds": ROUNDS, "cases": cases})
     return 0
 
 

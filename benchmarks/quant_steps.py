@@ -1,0 +1,93 @@
+"""Quantized weights against bf16 inside real engine steps: `python -m benchmarks.quant_steps`.
+
+One engine per configuration (bf16, `quant=int8`, `quant=gguf`, or `--quant ...`) on the embedded
+model, three step shapes: 64 decodes; 64 decodes plus a fresh 192-token prompt prefilled in the
+same step (256 tokens: the CPU's default step budget, the steps `chat_longtail` is made of); one
+decode (batch 1). Rounds alternate between the engines, so the machine's drift falls on all of
+them; the report gives each one's median step time and the median and range of its per-round speed
+against the unquantized model (> 1: faster). A whole `compare` runs its configurations one after the other, and on
+a shared 2-core machine their order can move a 5 % ratio. Writes reports/quant-steps/report.{md,json}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+
+from benchmarks.ab import mean_seconds, write_report
+from benchmarks.profile_step import decoding_engine
+
+ROUNDS = 9
+PREFILL = 192  # beside 64 decodes: a 256-token step
+
+
+def alternating(steps: dict, n: int) -> dict:
+    """steps: name -> a function running one step; the first name is the reference (quant=none)."""
+    for step in steps.values():
+        step()  # warm
+    times = {name: [] for name in steps}
+    for _ in range(ROUNDS):
+        for name, step in steps.items():
+            times[name].append(mean_seconds(step, n))
+    ref = next(iter(steps))
+    out = {}
+    for name, ts in times.items():
+        speed = [r / t for r, t in zip(times[ref], ts)]
+        out[name] = {"ms": statistics.median(ts) * 1e3, "speed_vs_none": statistics.median(speed),
+                     "range": [min(speed), max(speed)]}
+    return out
+
+
+def measure(quants: list[str]) -> tuple[dict, str]:
+    from core.engine.types import SamplingParams
+
+    names = ["none"] + quants
+    overrides = {q: [f"quant={q}"] for q in names}
+    engines = {q: decoding_engine(overrides[q], rows=64) for q in names}
+    rng = random.Random(0)
+
+    def mixed(engine):
+        def step():  # the 64 decodes plus a fresh prompt (random tokens: no prefix-cache hit), prefilled in this step
+            prompt = [rng.randrange(1000, 49000) for _ in range(PREFILL)]
+            engine.add_request(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+            engine.step()
+        return step
+
+    dtype = engines["none"].config.model.dtype
+    cases = {"decode, 64 rows": alternating({q: e.step for q, e in engines.items()}, 8),
+             f"64 decodes + a {PREFILL}-token prefill": alternating({q: mixed(e) for q, e in engines.items()}, 4)}
+    del engines
+    singles = {q: decoding_engine(overrides[q], rows=1) for q in names}
+    cases["decode, batch 1"] = alternating({q: e.step for q, e in singles.items()}, 30)
+    return cases, dtype
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.quant_steps")
+    ap.add_argument("--quant", nargs="+", default=["int8", "gguf"], help="quantizers beside bf16")
+    ap.add_argument("--out", default="reports/quant-steps")
+    args = ap.parse_args(argv)
+    from core.bench.roofline import machine_info
+
+    cases, dtype = measure(args.quant)
+    m = machine_info()
+    names = ["none"] + args.quant
+    head = "| step | " + " | ".join(f"{q} ms" for q in names) + " | " + \
+        " | ".join(f"{q} speed / none (range)" for q in args.quant) + " |"
+    rows = [head, "|" + "---|" * (1 + len(names) + len(args.quant))]
+    for step, c in cases.items():
+        rows.append(f"| {step} | " + " | ".join(f"{c[q]['ms']:.1f}" for q in names) + " | " +
+                    " | ".join(f"{c[q]['speed_vs_none']:.3f}x ({c[q]['range'][0]:.2f}-{c[q]['range'][1]:.2f})"
+                               for q in args.quant) + " |")
+    md = (f"# Quantized weights against bf16, in real engine steps\n\n"
+          f"- machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}\n"
+          f"- engines: the default (continuous + paged, model.dtype=auto: {dtype}) on the embedded model, one "
+          f"per quantizer (`none` is the unquantized model); {ROUNDS} rounds, alternating\n"
+          f"- made by `python -m benchmarks.quant_steps`\n\n" + "\n".join(rows) + "\n")
+    write_report(args.out, md, {"machine": m, "rounds": ROUNDS, "cases": cases})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
