@@ -1,11 +1,12 @@
 """Building the C++ CPU kernels under kernels/csrc with torch's cpp_extension, once per machine.
 
-Each build is cached under ~/.cache/torch_extensions (or $TORCH_EXTENSIONS_DIR), keyed by its
-source, the CPU's flags and the torch version, so a new CPU kind (or `-DSERVELAB_PORTABLE`, the
-build machines without AVX-512 get, which the tests also load) compiles its own copy. A build that
-fails (no compiler, no Python headers) is remembered and logged once; callers then fall back to
-their torch twins. `SERVELAB_NO_CPP=1` turns every C++ kernel off; `SERVELAB_CPP_MARCH=znver3` (any gcc -march) builds
-for another CPU than this one, e.g. to run the AVX2 paths' tests on an AVX-512 machine.
+Each build is cached under ~/.cache/torch_extensions/servelab-pyXY (or $TORCH_EXTENSIONS_DIR),
+keyed by its source, the CPU's flags and the torch version, so a new CPU kind (or
+`-DSERVELAB_PORTABLE`, the build machines without AVX-512 get, which the tests also load) compiles
+its own copy. A build that fails (no compiler, no Python headers) is remembered and logged once;
+callers then fall back to their torch twins. `SERVELAB_NO_CPP=1` turns every C++ kernel off;
+`SERVELAB_CPP_MARCH=znver3` (any gcc -march) builds for another CPU than this one, e.g. to run the
+AVX2 paths' tests on an AVX-512 machine.
 
 Processes that need the same build at once (a server's tensor-parallel ranks, test subprocesses)
 take turns on an advisory lock, which the kernel drops when its holder dies. torch's own lock is a
@@ -61,7 +62,8 @@ def build(stem: str, portable: bool = False, functions: list[str] | None = None,
     source = "\n".join((CSRC / f"{name}.cpp").read_text() for name in (stem, *parts))
     exact = "" if fast_math else "exact-nocontract"
     march = os.environ.get("SERVELAB_CPP_MARCH") or "native"
-    key = hashlib.sha1((source + cpu_flags() + torch.__version__ + str(portable) + exact + march).encode()).hexdigest()[:12]
+    ident = source + cpu_flags() + torch.__version__ + str(portable) + exact + march
+    key = hashlib.sha1(ident.encode()).hexdigest()[:12]
     name = f"servelab_{stem}_{key}"
     flags = ["-O3", f"-march={march}", "-fopenmp", f"-DSERVELAB_NS={namespace(stem, portable)}"]
     flags += ["-ffast-math"] if fast_math else ["-ffp-contract=off"]
