@@ -12,7 +12,9 @@ chunk of a step in one call, causal over its cached prefix, read in place. For a
 head_dim 64 and AVX512-BF16, a task is a KV head of a tile of 16 queries (their G query heads
 each), handed out longest first; per key tile the keys are transposed once into (d, d+1) pairs,
 a key per lane, so a row's scores are pair products without horizontal sums. Elsewhere one query
-row at a time in plain C++ (callers keep SDPA there: `prefill_fast`).
+row at a time in plain C++ (callers keep SDPA there: `prefill_fast`). On CPUs with AMX tiles
+PyTorch's CPU flash attention runs its bf16 GEMMs on them (oneDNN's brgemm) and beats this kernel's
+pair products (`sdpa_prefill_wins`).
 
 The source is csrc/cpu_attention.cpp with csrc/cpu_prefill.cpp, built
 once per machine with torch's cpp_extension (about half a minute, cached under
@@ -22,7 +24,7 @@ it built, and the torch reference serves where it did not.
 
 from __future__ import annotations
 
-from kernels.cpp_build import build
+from kernels.cpp_build import build, cpu_flags
 
 
 def load(portable: bool = False):
@@ -56,3 +58,12 @@ def prefill_attention(q, k_cache, v_cache, block_tables, context_lens, query_sta
 def prefill_fast(k_cache) -> bool:
     """Whether the C++ prefill has its vector path for this cache here (bf16, head_dim 64, AVX512-BF16)."""
     return bool(load().prefill_fast(k_cache))
+
+
+def sdpa_prefill_wins() -> bool:
+    """Whether PyTorch's CPU flash attention (SDPA) outruns the C++ prefill here: on a CPU with AMX
+    tiles, whose bf16 GEMMs it runs on them. Measured on a 2-core AMX Xeon (benchmarks.decode_attention,
+    2026-12-02): SDPA 1.33 / 3.33 / 16.8 ms against the kernel's 2.07 / 9.14 / 29.5 ms for a 512-token
+    chunk, the same after a 1,024-token prefix, and a 2,048-token chunk; on AVX512-BF16 CPUs without
+    AMX the kernel was 1.6-2.7x SDPA."""
+    return "amx_bf16" in cpu_flags().split()

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from core.errors import ConfigError
 from kernels import attention as ref
 from kernels import cpu_attention
 from tests.tiny import scattered_kv_cache
@@ -53,6 +54,24 @@ def test_the_vector_prefill_serves_smollm2s_bf16_cache():
     assert not cpu_attention.prefill_fast(kc.float())
 
 
+@pytest.mark.parametrize("choice", ["auto", "cpp", "sdpa"])
+def test_attention_prefill_picks_the_kernel_it_names(choice):
+    from plugins.attention.cpu_attn import CPUAttention, CPUAttentionConfig
+
+    attn = CPUAttention(CPUAttentionConfig(name="cpu", prefill=choice))
+    kc = torch.zeros(2, 3, 16, 64, dtype=torch.bfloat16)
+    flags = open("/proc/cpuinfo").read()
+    auto = "avx512_bf16" in flags and "amx_bf16" not in flags  # SDPA tiles on AMX and wins there
+    assert attn.cpp_prefill(kc) == {"auto": auto, "cpp": True, "sdpa": False}[choice]
+
+
+def test_an_unknown_attention_prefill_is_refused_when_the_config_is_read():
+    from core.engine.registry import get_registry
+
+    with pytest.raises(ConfigError, match="attention.prefill must be auto, cpp or sdpa, got 'flash'"):
+        get_registry().config("attention", {"name": "auto", "prefill": "flash"})
+
+
 def test_shared_blocks_and_an_empty_row():
     kc, vc, _, bt = scattered_kv_cache([40], 1, 64, torch.float32, seed=5)
     bt = torch.cat([bt, bt, bt])  # three sequences over the same blocks (a shared prefix)
@@ -68,21 +87,23 @@ def test_tiny_model_greedy_tokens_are_the_same_with_the_cpu_backend(tiny_dirs):
     from core.config import AttentionConfig
     from core.engine.engine import Engine
     from core.engine.types import SamplingParams
+    from plugins.attention.cpu_attn import CPUAttentionConfig
     from plugins.cache.paged import PagedCacheConfig
     from tests.tiny import tiny_config
 
     prompts = [[5, 17, 99, 3, 42, 8, 61] * 3, [120, 7], list(range(30, 70)), [9] * 33]
 
-    def greedy(attention):
+    def greedy(attention, **kw):
         cfg = tiny_config(tiny_dirs["llama"], scheduler="continuous", max_num_batched_tokens=32)
         cfg.cache = PagedCacheConfig(name="paged", block_size=16, memory_gb=0.01)
-        cfg.attention = AttentionConfig(name=attention)
+        cfg.attention = CPUAttentionConfig(name=attention, **kw) if kw else AttentionConfig(name=attention)
         e = Engine(cfg)
         outs = e.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True))
         return type(e.attention).__name__, [o.outputs[0].token_ids for o in outs]
 
     name, want = greedy("torch")
     assert greedy("cpu") == ("CPUAttention", want)
+    assert greedy("cpu", prefill="cpp") == greedy("cpu", prefill="sdpa") == ("CPUAttention", want)
     assert greedy("auto")[0] == "CPUAttention"  # the default on the CPU
 
 

@@ -8,10 +8,19 @@ import torch
 from core.engine.engine import Engine
 from core.engine.types import SamplingParams
 from core.errors import RequestError
-from plugins.decoders.sampling import apply_top_k_top_p, exponential_race
+from plugins.decoders.sampling import apply_top_k_top_p, exponential_race, greedy_tokens
 from tests.tiny import tiny_config
 
 NEG = float("-inf")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_tokens_are_argmaxs_with_the_first_of_a_tie(dtype):
+    logits = torch.tensor([[1.0, 3.0, 3.0, 2.0], [5.0, 5.0, 5.0, 5.0], [0.0, -1.0, NEG, 0.5]], dtype=dtype)
+    assert greedy_tokens(logits).tolist() == [1, 0, 3]
+    # bf16 rows over a real vocabulary, ties included (bf16 has few values): fp32's argmax of the same numbers
+    wide = (torch.randn(64, 49152, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
+    assert torch.equal(greedy_tokens(wide), wide.float().argmax(dim=-1))
 
 
 def test_top_k_keeps_the_k_largest():

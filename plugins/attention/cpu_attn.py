@@ -2,11 +2,15 @@
 a query at a time) through the C++ paged kernel of kernels.cpu_attention (blocks read in place,
 GQA without repeated KV, online softmax), prefill chunks of a bf16 cache through the C++ paged
 prefill kernel (every chunk of the step in one call, causal over its cached prefix, read in
-place; about 2.5x PyTorch's CPU flash attention on a 512-token chunk), other caches through SDPA
-with the offset causal mask. `auto` picks it on the CPU whenever the C++ kernel builds, the torch
-reference otherwise."""
+place; about 2.5x PyTorch's CPU flash attention on a 512-token chunk where the CPU multiplies bf16
+with AVX512-BF16 pair products), other caches - and bf16 on CPUs with AMX tiles, where PyTorch's
+flash attention runs its GEMMs on them and is 1.6-2.8x the C++ kernel - through SDPA with the offset
+causal mask (`attention.prefill`: auto | cpp | sdpa). `auto` picks this backend on the CPU whenever
+the C++ kernel builds, the torch reference otherwise."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -14,6 +18,22 @@ from core.api import AttentionConfig, hookimpl
 from kernels import cpu_attention
 from kernels.attention import prefill_attention
 from plugins.attention.torch_ref import TorchAttention, split_rows
+
+PREFILL_CHOICES = ("auto", "cpp", "sdpa")
+
+
+@dataclass
+class CPUAttentionConfig(AttentionConfig):
+    # prefill chunks of a bf16/fp32 cache: auto (the C++ kernel where it has its vector path and
+    # the CPU has no AMX tiles, else SDPA) | cpp (the C++ kernel) | sdpa (PyTorch's CPU flash attention)
+    prefill: str = "auto"
+
+    def __post_init__(self) -> None:  # checked when the config is read, before any model loads
+        from core.api import ConfigError
+
+        if self.prefill not in PREFILL_CHOICES:
+            raise ConfigError(f"attention.prefill must be {', '.join(PREFILL_CHOICES[:-1])} or {PREFILL_CHOICES[-1]}, "
+                              f"got '{self.prefill}'")
 
 
 class CPUAttention(TorchAttention):
@@ -29,14 +49,22 @@ class CPUAttention(TorchAttention):
         if not cpu_attention.available():
             raise ConfigError("attention=cpu needs its C++ kernel, which did not build here (a C++ compiler and "
                               "Python's headers); use attention=torch")
+        self.prefill_choice = getattr(config, "prefill", "auto")
         super().__init__(config, device)
         self.kernels = cpu_attention.load()
-        self.fast_prefill = False  # set once the cache exists: bf16, head_dim 64, AVX512-BF16 here
+        self.fast_prefill = False  # set once the cache exists (cpp_prefill)
 
     def allocate_kv_cache(self, num_blocks, block_size, spec, device):
         caches = super().allocate_kv_cache(num_blocks, block_size, spec, device)
-        self.fast_prefill = len(caches[0]) == 2 and cpu_attention.prefill_fast(caches[0][0])
+        self.fast_prefill = len(caches[0]) == 2 and self.cpp_prefill(caches[0][0])
         return caches
+
+    def cpp_prefill(self, k_cache: torch.Tensor) -> bool:
+        """Whether this cache's prefill chunks go to the C++ kernel (an int8 cache never does)."""
+        if self.prefill_choice != "auto":
+            return self.prefill_choice == "cpp"
+        return cpu_attention.prefill_fast(k_cache) and not cpu_attention.sdpa_prefill_wins()
+
 
     def plan(self, meta):  # the C++ prefill needs no padded SDPA groups
         return split_rows(meta, pack=False, group_prefill=not self.fast_prefill,
@@ -63,3 +91,6 @@ class CPUAttention(TorchAttention):
 @hookimpl
 def servelab_attention_backends():
     return {"cpu": CPUAttention}
+
+
+CPUAttention.config_class = CPUAttentionConfig

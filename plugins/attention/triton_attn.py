@@ -15,6 +15,7 @@ import torch
 
 from core.api import AttentionConfig, AttentionMetadata, KVCacheSpec, hookimpl
 from kernels.attention import allocate_kv_layer
+from plugins.attention.cpu_attn import CPUAttentionConfig
 from plugins.attention.torch_ref import TorchAttention, split_rows
 
 
@@ -76,7 +77,7 @@ def auto_attention(config: AttentionConfig, device=None):
     return TorchAttention(config, device)
 
 
-auto_attention.config_class = AttentionConfig
+auto_attention.config_class = CPUAttentionConfig  # the CPU backend's keys (prefill); CUDA ignores them
 
 
 @hookimpl

@@ -29,12 +29,20 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's most likely token (the first on a tie), in the logits' own dtype: upcasting bf16
+    changes no value and no order, so it would only cost a copy of the vocabulary rows."""
+    # max(dim).indices gives argmax's answer at 2-5x its speed on the CPU (64 x 49,152 logits on a
+    # 2-core Xeon: bf16 1.1 ms against 5.1, fp32 0.9 against 2.1)
+    return logits.max(dim=-1).indices
+
+
 def exponential_race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """One token per row of `probs` [N, V], drawn with probability probs[i, t]: with E ~ Exp(1)
     i.i.d., argmax_t probs / E is such a draw (the Gumbel-max trick in exponential form), so the
     whole batch samples in one vectorised op instead of a multinomial per row."""
     # Exp(1) draws of exactly 0 would turn a zero-probability token into 0/0 = NaN, which argmax picks
-    return (probs / noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
+    return greedy_tokens(probs / noise.clamp_(min=torch.finfo(noise.dtype).tiny))
 
 
 class SamplingDecoder:
@@ -70,7 +78,7 @@ class SamplingDecoder:
         params = torch.tensor([[seqs[i].params.temperature, seqs[i].params.top_k, seqs[i].params.top_p]
                                for i in rows], device=dev)
         picked = torch.tensor(rows, device=dev)
-        logits = logits.index_select(0, picked) / params[:, :1]
+        logits = logits.index_select(0, picked).float() / params[:, :1]
         if (params[:, 1] > 0).any() or (params[:, 2] < 1).any():  # the vocabulary sort only when a filter is on
             logits = apply_top_k_top_p(logits, params[:, 1].long(), params[:, 2])
         probs = logits.softmax(dim=-1)
@@ -87,14 +95,13 @@ class SamplingDecoder:
         seqs = [s.seq for s in scheduled]
         if not seqs:
             return DecoderOutput()
-        logits = logits.float()
-        tokens = logits.argmax(dim=-1)
+        tokens = greedy_tokens(logits)
         self._sample(logits, seqs, tokens)
         chosen = tokens.tolist()  # the step's one host sync
         out = DecoderOutput({s.seq_id: [t] for s, t in zip(seqs, chosen)})
         want = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         if want:
-            logprobs = logits[want].log_softmax(dim=-1)
+            logprobs = logits[want].float().log_softmax(dim=-1)
             for j, i in enumerate(want):
                 k = seqs[i].params.logprobs
                 top = logprobs[j].topk(k) if k else None

@@ -45,7 +45,7 @@ from core.api import (
     load_weights,
 )
 from plugins.decoders.proposers import DraftProposer, NgramProposer, layer_skip_model
-from plugins.decoders.sampling import SamplingDecoder, apply_top_k_top_p, exponential_race
+from plugins.decoders.sampling import SamplingDecoder, apply_top_k_top_p, exponential_race, greedy_tokens
 
 METHODS = ("ngram", "draft", "self")
 
@@ -99,7 +99,7 @@ def verify(logits: torch.Tensor, num_drafts: list[int], drafts: list[list[int]],
     for d in num_drafts:
         offsets.append(offsets[-1] + d + 1)
     flat = torch.tensor([t for ds, d in zip(drafts, num_drafts) for t in ds[:d] + [-1]], device=logits.device)
-    choice = logits.argmax(dim=-1)
+    choice = greedy_tokens(logits)
     keep = choice == flat
     rows = [r for i, g in enumerate(greedy) if not g for r in range(offsets[i], offsets[i + 1])]
     if rows:
