@@ -9,14 +9,23 @@ to bf16 as the GEMM does (the only difference is the order of the sums): 31-57 G
 on the faster of those machines, 1.5-3.4x oneDNN on SmolLM2's shapes, and a batch-1 decode step
 1.4-1.9x faster depending on the machine (reports/gemv, `python -m benchmarks.gemv`).
 
-It serves up to `GEMV_ROWS` rows, bf16, no bias, where the build has the bf16 dot instruction;
-everything else (more rows, fp32, autograd) is `F.linear`. Under torch.compile the graph calls one
+It serves up to `GEMV_ROWS` rows, bf16, no bias, where the build has the bf16 dot instruction.
+Above that a bf16 `Linear` multiplies by a copy of its weight that oneDNN packed once
+(`torch.ops.mkldnn._reorder_linear_weight`, the layout inductor's CPU freezing uses): `F.linear`
+hands oneDNN a plain weight, which it re-lays out on every call. The same sums (bit-identical
+results on the AMX Xeon measured): 1.1-1.9x `F.linear` on SmolLM2's shapes at 17-256 rows there and
+a 64-row decode step 1.12x faster (`python -m benchmarks.packed_linear`, reports/packed-linear), at the cost of a second copy of the bf16 weights: copies are made while
+they total at most `PACK_MEMORY_SHARE` of the machine's memory, so a large model is not doubled.
+Everything else (fp32, autograd, tracing) is `F.linear`. Under torch.compile the graph calls one
 op, `bf16_matmul`, that makes the same choice by the number of rows when it runs (the graph's
 rows are symbolic: a branch here would guard on them and recompile for each step size).
 `linear_ref` is its torch twin.
 """
 
 from __future__ import annotations
+
+import os
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -99,8 +108,99 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+_pack_weights = True  # benchmarks.packed_linear turns it off to compare (and `packing(False)`)
+
+
+class packing:
+    """`with packing(False):` bf16 Linears multiply by their plain weights (F.linear), for A/B runs."""
+
+    def __init__(self, on: bool) -> None:
+        self.on = on
+
+    def __enter__(self):
+        global _pack_weights
+        self.before, _pack_weights = _pack_weights, self.on
+
+    def __exit__(self, *exc):
+        global _pack_weights
+        _pack_weights = self.before
+
+
+def use_packed(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether this call takes the packed weight: eager bf16 on the CPU, no autograd, more rows than
+    the GEMV serves (or no GEMV here), oneDNN with bf16 support."""
+    if not _pack_weights or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
+        return False
+    if x.device.type != "cpu" or weight.device.type != "cpu" or x.shape[-1] != weight.shape[-1]:
+        return False
+    if torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad):
+        return False
+    return _mkldnn_bf16()
+
+
+def _mkldnn_bf16() -> bool:
+    global _MKLDNN_BF16
+    if _MKLDNN_BF16 is None:
+        _MKLDNN_BF16 = torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return _MKLDNN_BF16
+
+
+_MKLDNN_BF16: bool | None = None
+
+PACK_MEMORY_SHARE = 0.125  # packed copies stop (the rest keep F.linear) once they would pass this share of RAM
+_packed_bytes = 0
+
+
+def _release(nbytes: int) -> None:
+    global _packed_bytes
+    _packed_bytes -= nbytes
+
+
+def _room_to_pack(nbytes: int) -> bool:
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return False
+    return _packed_bytes + nbytes <= PACK_MEMORY_SHARE * ram
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """oneDNN's packed copy of a [N, K] bf16 weight (an opaque mkldnn tensor; any number of rows)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1])
+    out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
 class Linear(nn.Linear):
-    """nn.Linear (same parameters, same state dict) whose forward is `linear`."""
+    """nn.Linear (same parameters, same state dict) whose forward is `linear`, or the packed weight's
+    GEMM (made at the first call that needs it, again whenever the weight changes)."""
+
+    # (the weight's storage pointer, its version, its shape, the packed copy or None where there was no
+    # room); a weight replaced or changed in place through autograd's view of it is packed again
+    _packed: tuple | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.compiler.is_compiling() and use_packed(x, self.weight) and not use_gemv(x, self.weight, self.bias):
+            packed = self.packed_weight()
+            if packed is not None:
+                return packed_linear(x, packed, self.bias)
         return linear(x, self.weight, self.bias)
+
+    def packed_weight(self) -> torch.Tensor | None:
+        global _packed_bytes
+        w = self.weight
+        key = (w.data_ptr(), w._version, tuple(w.shape))
+        if self._packed is None or self._packed[:3] != key:
+            self._packed = None  # the old copy's bytes are given back as it is freed
+            nbytes = w.numel() * w.element_size()
+            packed = None
+            if _room_to_pack(nbytes):
+                packed = pack_weight(w)
+                _packed_bytes += nbytes
+                weakref.finalize(packed, _release, nbytes)
+            self._packed = (*key, packed)
+        return self._packed[3]

@@ -58,7 +58,9 @@ def test_the_model_linear_takes_the_gemv_for_few_bf16_rows(monkeypatch):
     out = layer(few)
     assert out.shape == (2, 3, 32) and calls == [(6, 64)]
     _assert_rounded_fp32_sum(out.reshape(6, 32), few.reshape(6, 64), layer.weight)
-    torch.testing.assert_close(layer(many), F.linear(many, layer.weight), rtol=0, atol=0)  # past the rows: oneDNN
+    with lin.packing(False):
+        torch.testing.assert_close(layer(many), F.linear(many, layer.weight), rtol=0, atol=0)  # past the rows: oneDNN
+    _assert_rounded_fp32_sum(layer(many), many, layer.weight)  # and its packed weight, by default
     layer.float()(few.float())  # fp32: oneDNN
     with cpu_ops.disabled():
         layer.bfloat16()(few)
@@ -125,3 +127,63 @@ def test_a_compiled_graph_calls_the_op_for_every_step_size(monkeypatch):
     compiled(_randn(5, 64))
     assert not any("servelab_cpu_ops" in t for t in graphs[0]) and any("linear" in t for t in graphs[0])
     torch._dynamo.reset()
+
+
+def _packed_layer(n, k, bias):
+    layer = lin.Linear(k, n, bias=bias).requires_grad_(False)
+    layer.weight.data = _randn(n, k, scale=0.05)
+    if bias:
+        layer.bias.data = _randn(n)
+    return layer
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(17, 64), (64, 576), (3, 100, 576)])  # past the GEMV's rows; a 3-D input
+def test_the_packed_weight_gives_f_linears_bits(shape, bias):
+    layer = _packed_layer(300, shape[-1], bias)
+    x = _randn(*shape)
+    out = layer(x)
+    assert layer._packed is not None and layer._packed[3] is not None  # this call took the packed copy
+    with lin.packing(False):
+        want = layer(x)
+    assert out.shape == want.shape
+    # the same fp32 sums rounded once to bf16 (bit-identical on the AMX Xeon measured; the order of
+    # a sum may differ with oneDNN's kernel elsewhere)
+    if not bias:
+        _assert_rounded_fp32_sum(out.reshape(-1, 300), x.reshape(-1, shape[-1]), layer.weight)
+    torch.testing.assert_close(out, want, rtol=2**-7, atol=1e-3)
+    assert (out == want).double().mean().item() >= 0.99
+
+
+def test_a_replaced_weight_is_packed_again_and_autograd_keeps_f_linear():
+    layer = _packed_layer(96, 64, False)
+    x = _randn(32, 64)
+    layer(x)
+    first = layer._packed[3]
+    layer.weight.data = layer.weight.data * 2  # a new tensor (as loading and sharding assign)
+    _assert_rounded_fp32_sum(layer(x), x, layer.weight)
+    assert layer._packed[3] is not first
+    with torch.no_grad():
+        layer.weight.mul_(0.5)  # in place, through the parameter: its version moves
+    _assert_rounded_fp32_sum(layer(x), x, layer.weight)
+    trained = lin.Linear(64, 96, bias=False).bfloat16()
+    with torch.enable_grad():
+        assert trained(x).requires_grad and trained._packed is None
+    assert not lin.use_packed(x.float(), layer.weight.float())  # fp32: F.linear
+
+
+def test_packed_copies_stop_at_their_memory_share_and_give_their_bytes_back(monkeypatch):
+    import gc
+
+    monkeypatch.setattr(lin, "_packed_bytes", 0)
+    layer = _packed_layer(128, 64, False)
+    x = _randn(32, 64)
+    layer(x)
+    assert lin._packed_bytes == 128 * 64 * 2
+    monkeypatch.setattr(lin, "PACK_MEMORY_SHARE", 0.0)  # no room: the next layer keeps its plain weight
+    other = _packed_layer(128, 64, False)
+    assert torch.equal(other(x), F.linear(x, other.weight)) and other._packed[3] is None  # F.linear itself
+    assert lin._packed_bytes == 128 * 64 * 2
+    del layer
+    gc.collect()
+    assert lin._packed_bytes == 0
