@@ -9,12 +9,14 @@ to bf16 as the GEMM does (the only difference is the order of the sums): 31-57 G
 on the faster of those machines, 1.5-3.4x oneDNN on SmolLM2's shapes, and a batch-1 decode step
 1.4-1.9x faster depending on the machine (reports/gemv, `python -m benchmarks.gemv`).
 
-It serves up to `GEMV_ROWS` rows, bf16, no bias, where the build has the bf16 dot instruction.
+It serves up to `GEMV_ROWS` rows (`GEMV_ROWS_AMX` on AMX CPUs), bf16, no bias, where the build has the
+bf16 dot instruction.
 Above that a bf16 `Linear` multiplies by a copy of its weight that oneDNN packed once
 (`torch.ops.mkldnn._reorder_linear_weight`, the layout inductor's CPU freezing uses): `F.linear`
 hands oneDNN a plain weight, which it re-lays out on every call. The same sums (bit-identical
-results on the AMX Xeon measured): 1.1-1.9x `F.linear` on SmolLM2's shapes at 17-256 rows there and
-a 64-row decode step 1.12x faster (`python -m benchmarks.packed_linear`, reports/packed-linear), at the cost of a second copy of the bf16 weights: copies are made while
+results on the AMX Xeon measured): 1.05-1.6x `F.linear` on SmolLM2's shapes at 17-256 rows there,
+up to 2.1x the GEMV at 8 rows, and a 64-row decode step 1.15x faster (`python -m
+benchmarks.packed_linear`, reports/packed-linear), at the cost of a second copy of the bf16 weights: copies are made while
 they total at most `PACK_MEMORY_SHARE` of the machine's memory, so a large model is not doubled.
 Everything else (fp32, autograd, tracing) is `F.linear`. Under torch.compile the graph calls one
 op, `bf16_matmul`, that makes the same choice by the number of rows when it runs (the graph's
@@ -32,11 +34,31 @@ import torch.nn.functional as F
 from torch import nn
 
 from kernels import cpu_ops
-from kernels.cpp_build import namespace
+from kernels.cpp_build import cpu_flags, namespace
 
 # Up to this many rows the GEMV serves: at 16 it still reads 1.05-2.2x faster than oneDNN on every
 # SmolLM2 shape, at 24 the down projection (K = 1536) loses (0.83x) and at 32 the head (reports/gemv).
 GEMV_ROWS = 16
+# On AMX CPUs oneDNN's GEMM over packed weights wins from 4 rows (0.86-1.48x the GEMV's speed on
+# SmolLM2's shapes; 2.8-4.5x at 16 rows); at 3 rows it is 0.70-1.15x, at 1-2 rows the GEMV is 1.1-2.8x
+# faster (2-core Xeon, benchmarks.packed_linear)
+GEMV_ROWS_AMX = 3
+
+
+def gemv_rows() -> int:
+    """Rows up to which the eager GEMV serves here: GEMV_ROWS, or GEMV_ROWS_AMX where packed weights
+    run on AMX tiles (F.linear on plain weights also beats the GEMV at 16 rows there)."""
+    return GEMV_ROWS_AMX if _pack_weights and _amx() else GEMV_ROWS
+
+
+def _amx() -> bool:
+    global _AMX
+    if _AMX is None:
+        _AMX = "amx_bf16" in cpu_flags().split() and _mkldnn_bf16()
+    return _AMX
+
+
+_AMX: bool | None = None
 
 
 def linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -47,7 +69,7 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def use_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     if bias is not None or x.dtype != torch.bfloat16 or x.shape[-1] != weight.shape[-1]:
         return False
-    if x.numel() > GEMV_ROWS * x.shape[-1] or not weight.is_contiguous():
+    if x.numel() > gemv_rows() * x.shape[-1] or not weight.is_contiguous():
         return False
     return cpu_ops.use_cpu_ops(x, weight) and _native()
 

@@ -51,6 +51,7 @@ def test_the_gemv_refuses_what_it_cannot_compute():
 
 def test_the_model_linear_takes_the_gemv_for_few_bf16_rows(monkeypatch):
     monkeypatch.setattr(lin, "_NATIVE", True)  # the dispatch rule, on any CPU kind
+    monkeypatch.setattr(lin, "_AMX", False)  # (AMX CPUs: the next test)
     calls, original = [], lin.gemv
     monkeypatch.setattr(lin, "gemv", lambda x, w: calls.append(tuple(x.shape)) or original(x, w))
     layer = lin.Linear(64, 32, bias=False).bfloat16().requires_grad_(False)
@@ -187,3 +188,20 @@ def test_packed_copies_stop_at_their_memory_share_and_give_their_bytes_back(monk
     del layer
     gc.collect()
     assert lin._packed_bytes == 0
+
+
+def test_on_amx_the_gemv_keeps_three_rows_and_the_packed_gemm_takes_four(monkeypatch):
+    monkeypatch.setattr(lin, "_NATIVE", True)
+    monkeypatch.setattr(lin, "_AMX", True)
+    calls, original = [], lin.gemv
+    monkeypatch.setattr(lin, "gemv", lambda x, w: calls.append(tuple(x.shape)) or original(x, w))
+    layer = _packed_layer(96, 64, False)
+    three, four = _randn(3, 64), _randn(4, 64)
+    _assert_rounded_fp32_sum(layer(three), three, layer.weight)
+    assert calls == [(3, 64)] and layer._packed is None
+    _assert_rounded_fp32_sum(layer(four), four, layer.weight)
+    assert calls == [(3, 64)] and layer._packed[3] is not None
+    with lin.packing(False):  # plain weights: the GEMV serves its 16 rows again
+        assert lin.gemv_rows() == lin.GEMV_ROWS
+        layer(four)
+    assert calls == [(3, 64), (4, 64)]
