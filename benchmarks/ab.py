@@ -1,5 +1,6 @@
-"""What the side-by-side step benchmarks (eager_ops, quant_steps) share: a step's mean time over a
-round, and their report files (report.md for people, report.json for machines, printed too)."""
+"""What the side-by-side step benchmarks (eager_ops, packed_linear, quant_steps) share: a step's mean
+time over a round, rounds alternating with a baseline, and their report files (report.md for
+people, report.json for machines, printed too)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,21 @@ def mean_seconds(step, n: int) -> float:
     for _ in range(n):
         step()
     return (time.perf_counter() - t) / n
+
+
+def alternating_rounds(step, n: int, rounds: int, baseline) -> dict:
+    """`rounds` rounds of `n` calls of `step` as it is, each followed by a round inside the
+    `baseline()` context, so the machine's drift falls on both (both warmed first): each side's
+    round times and the per-round ratios baseline / as-is."""
+    step()
+    with baseline():
+        step()
+    mine, base = [], []
+    for _ in range(rounds):
+        mine.append(mean_seconds(step, n))
+        with baseline():
+            base.append(mean_seconds(step, n))
+    return {"mine": mine, "baseline": base, "ratios": [b / a for a, b in zip(mine, base)]}
 
 
 def write_report(out: str | Path, md: str, data: dict) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from benchmarks.ab import mean_seconds, write_report
+from benchmarks.ab import alternating_rounds, write_report
 from benchmarks.profile_step import decoding_engine
 from kernels import cpu_ops
 
@@ -22,15 +22,8 @@ ROUNDS = 7
 
 
 def side_by_side(step, n: int) -> dict:
-    step()  # warm: both paths built and run once
-    with cpu_ops.disabled():
-        step()
-    cpp, twin = [], []
-    for _ in range(ROUNDS):
-        cpp.append(mean_seconds(step, n))
-        with cpu_ops.disabled():
-            twin.append(mean_seconds(step, n))
-    ratios = [t / c for c, t in zip(cpp, twin)]
+    r = alternating_rounds(step, n, ROUNDS, cpu_ops.disabled)
+    cpp, twin, ratios = r["mine"], r["baseline"], r["ratios"]
     return {"cpp_ms": statistics.median(cpp) * 1e3, "torch_ms": statistics.median(twin) * 1e3,
             "speedup": statistics.median(ratios), "speedup_range": [min(ratios), max(ratios)], "steps_a_round": n}
 

@@ -17,7 +17,7 @@ import statistics
 
 import torch
 
-from benchmarks.ab import mean_seconds, write_report
+from benchmarks.ab import alternating_rounds, write_report
 from benchmarks.profile_step import decoding_engine
 from kernels.linear import Linear, packing, use_packed
 
@@ -28,15 +28,8 @@ ROWS = (4, 8, 17, 64, 256)
 
 
 def alternate(step, n: int) -> dict:
-    step()
-    with packing(False):
-        step()
-    packed, plain = [], []
-    for _ in range(ROUNDS):
-        packed.append(mean_seconds(step, n))
-        with packing(False):
-            plain.append(mean_seconds(step, n))
-    ratios = [b / a for a, b in zip(packed, plain)]
+    r = alternating_rounds(step, n, ROUNDS, lambda: packing(False))
+    packed, plain, ratios = r["mine"], r["baseline"], r["ratios"]
     return {"packed_ms": statistics.median(packed) * 1e3, "plain_ms": statistics.median(plain) * 1e3,
             "speedup": statistics.median(ratios), "speedup_range": [min(ratios), max(ratios)], "calls_a_round": n}
 

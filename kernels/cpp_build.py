@@ -46,6 +46,11 @@ def cpu_flags() -> str:
     return platform.processor()
 
 
+def has_amx() -> bool:
+    """Whether the CPU has AMX tiles for bf16 (oneDNN's GEMMs, and so SDPA's, run on them)."""
+    return "amx_bf16" in cpu_flags().split()
+
+
 def build(stem: str, portable: bool = False, functions: list[str] | None = None, fast_math: bool = True,
           parts: tuple[str, ...] = ()):
     """csrc/STEM.cpp (then csrc/PART.cpp for each of `parts`, as one translation unit) compiled and

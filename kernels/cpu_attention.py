@@ -24,7 +24,7 @@ it built, and the torch reference serves where it did not.
 
 from __future__ import annotations
 
-from kernels.cpp_build import build, cpu_flags
+from kernels.cpp_build import build, has_amx
 
 
 def load(portable: bool = False):
@@ -66,4 +66,4 @@ def sdpa_prefill_wins() -> bool:
     2026-12-02): SDPA 1.33 / 3.33 / 16.8 ms against the kernel's 2.07 / 9.14 / 29.5 ms for a 512-token
     chunk, the same after a 1,024-token prefix, and a 2,048-token chunk; on AVX512-BF16 CPUs without
     AMX the kernel was 1.6-2.7x SDPA."""
-    return "amx_bf16" in cpu_flags().split()
+    return has_amx()

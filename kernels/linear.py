@@ -26,15 +26,17 @@ rows are symbolic: a branch here would guard on them and recompile for each step
 
 from __future__ import annotations
 
+import contextlib
 import os
 import weakref
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kernels import cpu_ops
-from kernels.cpp_build import cpu_flags, namespace
+from kernels.cpp_build import has_amx, namespace
 
 # Up to this many rows the GEMV serves: at 16 it still reads 1.05-2.2x faster than oneDNN on every
 # SmolLM2 shape, at 24 the down projection (K = 1536) loses (0.83x) and at 32 the head (reports/gemv).
@@ -54,7 +56,7 @@ def gemv_rows() -> int:
 def _amx() -> bool:
     global _AMX
     if _AMX is None:
-        _AMX = "amx_bf16" in cpu_flags().split() and _mkldnn_bf16()
+        _AMX = has_amx() and _mkldnn_bf16()
     return _AMX
 
 
@@ -118,8 +120,10 @@ def _graph_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return F.linear(x, weight, bias)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, through the GEMV where it serves."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           packed: Callable[[], torch.Tensor | None] | None = None) -> torch.Tensor:
+    """F.linear, through the GEMV where it serves, else through the weight oneDNN packed (`packed()`
+    gives it, or None where there was no room) where that serves."""
     if torch.compiler.is_compiling():  # first: a test on the number of rows would guard on it in the graph
         return _graph_linear(x, weight, bias)
     if use_gemv(x, weight, bias):
@@ -127,30 +131,30 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
         return gemv(rows, weight).view(*x.shape[:-1], weight.shape[0])
+    if packed is not None and use_packed(x, weight):
+        packed_weight = packed()
+        if packed_weight is not None:
+            return packed_linear(x, packed_weight, bias)
     return F.linear(x, weight, bias)
 
 
 _pack_weights = True  # benchmarks.packed_linear turns it off to compare (and `packing(False)`)
 
 
-class packing:
+@contextlib.contextmanager
+def packing(on: bool):
     """`with packing(False):` bf16 Linears multiply by their plain weights (F.linear), for A/B runs."""
-
-    def __init__(self, on: bool) -> None:
-        self.on = on
-
-    def __enter__(self):
-        global _pack_weights
-        self.before, _pack_weights = _pack_weights, self.on
-
-    def __exit__(self, *exc):
-        global _pack_weights
-        _pack_weights = self.before
+    global _pack_weights
+    before, _pack_weights = _pack_weights, on
+    try:
+        yield
+    finally:
+        _pack_weights = before
 
 
 def use_packed(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether this call takes the packed weight: eager bf16 on the CPU, no autograd, more rows than
-    the GEMV serves (or no GEMV here), oneDNN with bf16 support."""
+    """Whether a call the GEMV does not serve may take the packed weight: bf16 on the CPU, no
+    autograd, oneDNN with bf16 support, packing on."""
     if not _pack_weights or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
         return False
     if x.device.type != "cpu" or weight.device.type != "cpu" or x.shape[-1] != weight.shape[-1]:
@@ -198,19 +202,15 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 class Linear(nn.Linear):
-    """nn.Linear (same parameters, same state dict) whose forward is `linear`, or the packed weight's
-    GEMM (made at the first call that needs it, again whenever the weight changes)."""
+    """nn.Linear (same parameters, same state dict) whose forward is `linear` with its packed weight
+    (made at the first call that needs it, again whenever the weight changes)."""
 
     # (the weight's storage pointer, its version, its shape, the packed copy or None where there was no
     # room); a weight replaced or changed in place through autograd's view of it is packed again
     _packed: tuple | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not torch.compiler.is_compiling() and use_packed(x, self.weight) and not use_gemv(x, self.weight, self.bias):
-            packed = self.packed_weight()
-            if packed is not None:
-                return packed_linear(x, packed, self.bias)
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.packed_weight)
 
     def packed_weight(self) -> torch.Tensor | None:
         global _packed_bytes
