@@ -77,14 +77,14 @@ def engine_steps() -> dict:
         engine = decoding_engine([], rows=rows)
         n = 20 if rows == 1 else 10
         on, off = [], []
-        saved = gemv.GEMV_ROWS
+        saved = gemv.GEMV_ROWS, gemv.GEMV_ROWS_AMX
         for _ in range(ROUNDS + 1):
             on.append(median_seconds(engine.step, n))
-            gemv.GEMV_ROWS = 0
+            gemv.GEMV_ROWS = gemv.GEMV_ROWS_AMX = 0  # both: on AMX CPUs gemv_rows() reads the second
             try:
                 off.append(median_seconds(engine.step, n))
             finally:
-                gemv.GEMV_ROWS = saved
+                gemv.GEMV_ROWS, gemv.GEMV_ROWS_AMX = saved
         on, off = on[1:], off[1:]  # the first round warms both paths
         ratios = [b / a for a, b in zip(on, off)]
         out[f"decode, {rows} rows"] = {"gemv_ms": statistics.median(on) * 1e3, "gemm_ms": statistics.median(off) * 1e3,
@@ -158,7 +158,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     md = ["# bf16 GEMV against oneDNN's GEMM at few rows\n",
-          f"- machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}; `GEMV_ROWS` = {gemv.GEMV_ROWS}",
+          f"- machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}; GEMV rows here = {gemv.gemv_rows()}",
           f"- weights read from memory (copies rotated over {POOL_BYTES >> 20} MB); {ROUNDS} rounds of the median "
           f"of {CALLS} calls, beside a 1 GiB read-bandwidth probe\n- made by `python -m benchmarks.gemv`\n",
           "| shape | rows | GEMM ms | GEMV ms | GEMM GB/s | GEMV GB/s | read GB/s (probe) | speed-up (median of rounds) |",
@@ -171,7 +171,7 @@ def main(argv=None) -> int:
            for k, v in steps.items()]
     md.append("\n![GB/s against rows](gemv.png)\n")
     (out / "report.md").write_text("\n".join(md))
-    (out / "report.json").write_text(json.dumps({"machine": m, "gemv_rows": gemv.GEMV_ROWS, "micro": micro_rows,
+    (out / "report.json").write_text(json.dumps({"machine": m, "gemv_rows": gemv.gemv_rows(), "micro": micro_rows,
                                                  "steps": steps}, indent=2))
     plot(micro_rows, out / "gemv.png")
     print("\n".join(md))

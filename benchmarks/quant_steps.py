@@ -5,7 +5,8 @@ model, three step shapes: 64 decodes; 64 decodes plus a fresh 192-token prompt p
 same step (256 tokens: the CPU's default step budget, the steps `chat_longtail` is made of); one
 decode (batch 1). Rounds alternate between the engines, so the machine's drift falls on all of
 them; the report gives each one's median step time and the median and range of its per-round speed
-against the unquantized model (> 1: faster). A whole `compare` runs its configurations one after the other, and on
+against the unquantized model (> 1: faster). On CPUs with AMX-INT8 `int8` also runs without its AMX GEMM
+(`int8 (no AMX)`, kernels.cpu_quant.amx_tiles(False)), the path other CPUs take, side by side. A whole `compare` runs its configurations one after the other, and on
 a shared 2-core machine their order can move a 5 % ratio. Writes reports/quant-steps/report.{md,json}.
 """
 
@@ -39,27 +40,49 @@ def alternating(steps: dict, n: int) -> dict:
     return out
 
 
+NO_AMX = " (no AMX)"  # an INT8 engine stepped with kernels.cpu_quant.amx_tiles(False): the path CPUs without AMX take
+
+
+def variants(quants: list[str]) -> list[str]:
+    """The quantizers to run; on CPUs with AMX-INT8, `int8` also without its AMX GEMM, side by side."""
+    from kernels import cpu_quant
+
+    extra = [q + NO_AMX for q in quants if q == "int8" and cpu_quant.amx_ready()]
+    return quants + extra
+
+
 def measure(quants: list[str]) -> tuple[dict, str]:
     from core.engine.types import SamplingParams
+    from kernels import cpu_quant
 
     names = ["none"] + quants
-    overrides = {q: [f"quant={q}"] for q in names}
+    overrides = {q: [f"quant={q.removesuffix(NO_AMX)}"] for q in names}
+
+    def plain(engine, q):
+        if not q.endswith(NO_AMX):
+            return engine.step
+
+        def step():
+            with cpu_quant.amx_tiles(False):
+                engine.step()
+        return step
+
     engines = {q: decoding_engine(overrides[q], rows=64) for q in names}
     rng = random.Random(0)
 
-    def mixed(engine):
+    def mixed(engine, q):
         def step():  # the 64 decodes plus a fresh prompt (random tokens: no prefix-cache hit), prefilled in this step
             prompt = [rng.randrange(1000, 49000) for _ in range(PREFILL)]
             engine.add_request(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
-            engine.step()
+            plain(engine, q)()
         return step
 
     dtype = engines["none"].config.model.dtype
-    cases = {"decode, 64 rows": alternating({q: e.step for q, e in engines.items()}, 8),
-             f"64 decodes + a {PREFILL}-token prefill": alternating({q: mixed(e) for q, e in engines.items()}, 4)}
+    cases = {"decode, 64 rows": alternating({q: plain(e, q) for q, e in engines.items()}, 8),
+             f"64 decodes + a {PREFILL}-token prefill": alternating({q: mixed(e, q) for q, e in engines.items()}, 4)}
     del engines
     singles = {q: decoding_engine(overrides[q], rows=1) for q in names}
-    cases["decode, batch 1"] = alternating({q: e.step for q, e in singles.items()}, 30)
+    cases["decode, batch 1"] = alternating({q: plain(e, q) for q, e in singles.items()}, 30)
     return cases, dtype
 
 
@@ -70,20 +93,22 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from core.bench.roofline import machine_info
 
-    cases, dtype = measure(args.quant)
+    quants = variants(args.quant)
+    cases, dtype = measure(quants)
     m = machine_info()
-    names = ["none"] + args.quant
+    names = ["none"] + quants
     head = "| step | " + " | ".join(f"{q} ms" for q in names) + " | " + \
-        " | ".join(f"{q} speed / none (range)" for q in args.quant) + " |"
-    rows = [head, "|" + "---|" * (1 + len(names) + len(args.quant))]
+        " | ".join(f"{q} speed / none (range)" for q in quants) + " |"
+    rows = [head, "|" + "---|" * (1 + len(names) + len(quants))]
     for step, c in cases.items():
         rows.append(f"| {step} | " + " | ".join(f"{c[q]['ms']:.1f}" for q in names) + " | " +
                     " | ".join(f"{c[q]['speed_vs_none']:.3f}x ({c[q]['range'][0]:.2f}-{c[q]['range'][1]:.2f})"
-                               for q in args.quant) + " |")
+                               for q in quants) + " |")
     md = (f"# Quantized weights against bf16, in real engine steps\n\n"
           f"- machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}\n"
           f"- engines: the default (continuous + paged, model.dtype=auto: {dtype}) on the embedded model, one "
-          f"per quantizer (`none` is the unquantized model); {ROUNDS} rounds, alternating\n"
+          f"per quantizer (`none` is the unquantized model; `{NO_AMX.strip()}`: INT8 stepped without its AMX GEMM, "
+          f"as CPUs without AMX-INT8 run it); {ROUNDS} rounds, alternating\n"
           f"- made by `python -m benchmarks.quant_steps`\n\n" + "\n".join(rows) + "\n")
     write_report(args.out, md, {"machine": m, "rounds": ROUNDS, "cases": cases})
     return 0

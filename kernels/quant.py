@@ -1,7 +1,8 @@
 """Weight-only quantized linear layers: INT8 per output channel, INT4 group-wise asymmetric.
 
 Each matmul has fast paths (on the CPU the C++ kernels of kernels.cpu_quant for steps of few
-rows, a bf16 GEMM over the weight dequantized per call for many rows, and PyTorch's packed
+rows, a bf16 GEMM over the weight dequantized per call for many rows, INT8 on AMX tiles at any
+number of rows where the CPU has them, and PyTorch's packed
 `_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu` where the C++ kernels did not build; on
 CUDA the Triton kernels of kernels.triton_quant, which dequantize inside the matmul) and a torch
 reference twin that dequantizes and multiplies; tests hold them together.
@@ -58,7 +59,7 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch
     if x.device.type == "cpu":
         fast = cpu_quant.ops() if q.shape[1] % cpu_quant.GROUP == 0 else None
         if fast is not None:  # both paths in one op: no branch on the rows in a compiled graph
-            return fast.q8_matmul(x, q, scales, cpu_quant.Q8_GEMV_ROWS)
+            return cpu_quant.q8_matmul(x, q, scales)
         xb, sb = x.to(torch.bfloat16), scales.to(torch.bfloat16)
         if x.shape[0] > INT8_DEQUANT_ROWS:
             return F.linear(xb, q.to(torch.bfloat16) * sb[:, None]).to(x.dtype)

@@ -100,9 +100,67 @@ def test_q8_matmul_many_rows_is_the_bf16_product(n):
     w = torch.randint(-127, 128, (n, 64), generator=g, dtype=torch.int8)
     scales = (torch.rand(n, generator=g) * 0.01).to(torch.bfloat16)
     x = torch.randn(30, 64, generator=g).to(torch.bfloat16)
-    got = cpu_quant.ops().q8_matmul(x, w, scales, 24)
+    got = cpu_quant.ops().q8_matmul(x, w, scales, 24, False)
     want = (x.float() @ (w.to(torch.bfloat16) * scales[:, None]).float().T).to(torch.bfloat16)
     torch.testing.assert_close(got, want, atol=2e-3, rtol=8e-3)  # bf16 output, the sums' order
+
+
+def test_amx_is_ready_exactly_where_the_cpu_has_amx_int8():
+    import os
+
+    from kernels.cpp_build import cpu_flags
+
+    flags = cpu_flags().split()
+    has = "amx_int8" in flags and "avx512_bf16" in flags and "avx512_vnni" in flags
+    if os.environ.get("SERVELAB_CPP_MARCH", "native") in ("", "native"):  # (a build for another CPU may lack it)
+        assert cpu_quant.amx_ready() == has
+    else:
+        assert not cpu_quant.amx_ready() or has
+
+
+AMX = pytest.mark.skipif(not cpu_quant.amx_ready(), reason="the AMX GEMM runs only on CPUs with AMX-INT8")
+
+
+@AMX
+@pytest.mark.parametrize("n, k", [(48, 64), (960, 576), (576, 1536)])  # 48: a last block of 16 weight rows
+@pytest.mark.parametrize("rows", [1, 15, 17, 40])  # part tiles of 16 activation rows
+def test_q8_gemm_amx_gives_the_gemvs_integer_sums(n, k, rows):
+    w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scales = (torch.rand(n, generator=g) * 0.01 + 1e-4).to(torch.bfloat16)
+    x = torch.randn(rows, k, generator=g)
+    x[0, 5] = 40.0  # an outlier sets its row's scale
+    ops = cpu_quant.ops()
+    got32 = ops.q8_gemm_amx(x, w, scales)
+    # exact integer sums: only the last float products' order differs from the twin's
+    torch.testing.assert_close(got32, q8_linear_ref(x, w, scales), atol=0, rtol=1e-5)
+    xb = x.bfloat16()
+    got = ops.q8_gemm_amx(xb, w, scales)
+    want = q8_linear_ref(xb, w, scales)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, atol=0, rtol=8e-3)  # at most a bf16 step apart
+    assert (got != want).float().mean() < 0.02
+    torch.testing.assert_close(got, ops.q8_linear(xb, w, scales), atol=0, rtol=8e-3)  # and the GEMV's
+
+
+@AMX
+def test_q8_matmul_takes_the_amx_gemm_for_bf16_rows_unless_told_not_to():
+    w = torch.randint(-127, 128, (96, 128), generator=g, dtype=torch.int8)
+    scales = (torch.rand(96, generator=g) * 0.01).to(torch.bfloat16)
+    ops = cpu_quant.ops()
+    for rows in (1, 64):
+        x = torch.randn(rows, 128, generator=g).bfloat16()
+        amx = ops.q8_gemm_amx(x, w, scales)
+        assert torch.equal(ops.q8_matmul(x, w, scales, 16, True), amx)
+        assert torch.equal(cpu_quant.q8_matmul(x, w, scales), amx)
+        with cpu_quant.amx_tiles(False):
+            off = cpu_quant.q8_matmul(x, w, scales)
+        assert torch.equal(off, ops.q8_linear(x, w, scales) if rows <= cpu_quant.Q8_GEMV_ROWS
+                           else ops.q8_matmul(x, w, scales, 16, False))
+    x = torch.randn(40, 128, generator=g)  # fp32 rows keep the fp32 GEMM over the dequantized weight
+    assert torch.equal(ops.q8_matmul(x, w, scales, 16, True), ops.q8_matmul(x, w, scales, 16, False))
+    odd = torch.randint(-127, 128, (96, 96), generator=g, dtype=torch.int8)  # K not a multiple of 64
+    xo = torch.randn(40, 96, generator=g).bfloat16()
+    assert torch.equal(ops.q8_matmul(xo, odd, scales, 16, True), ops.q8_matmul(xo, odd, scales, 16, False))
 
 
 @pytest.mark.parametrize("n", [300, 4097])
@@ -111,7 +169,7 @@ def test_q8_matmul_many_fp32_rows_stays_in_fp32(n):
     w = torch.randint(-127, 128, (n, 64), generator=g, dtype=torch.int8)
     scales = (torch.rand(n, generator=g) * 0.01).to(torch.bfloat16)
     x = torch.randn(30, 64, generator=g)
-    got = cpu_quant.ops().q8_matmul(x, w, scales, 24)
+    got = cpu_quant.ops().q8_matmul(x, w, scales, 24, False)
     assert got.dtype == torch.float32
     # fp32 sums: far inside bf16's rounding (4e-3 relative), which the old path added
     torch.testing.assert_close(got, x @ (w.float() * scales.float()[:, None]).T, atol=1e-5, rtol=1e-5)
@@ -192,5 +250,10 @@ def test_the_ops_trace_under_compile():
     for op, args in ((cpu_quant.ops().q4_linear, (x, nibbles, dm)),
                      (cpu_quant.ops().q8_linear, (x, torch.ones(16, 64, dtype=torch.int8), torch.ones(16))),
                      (cpu_quant.ops().q4_dequantize, (nibbles, dm, torch.bfloat16)),
-                     (cpu_quant.ops().q8_dequantize, (torch.ones(16, 64, dtype=torch.int8), torch.ones(16)))):
+                     (cpu_quant.ops().q8_dequantize, (torch.ones(16, 64, dtype=torch.int8), torch.ones(16))),
+                     (cpu_quant.ops().q8_matmul, (x.bfloat16(), torch.ones(16, 64, dtype=torch.int8), torch.ones(16),
+                                                  16, True))):
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+    if cpu_quant.amx_ready():
+        torch.library.opcheck(cpu_quant.ops().q8_gemm_amx, (x, torch.ones(16, 64, dtype=torch.int8), torch.ones(16)),
+                              test_utils=("test_schema", "test_faketensor"))

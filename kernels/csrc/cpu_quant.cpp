@@ -16,6 +16,13 @@
 #define SERVELAB_SIMD 1
 #endif
 
+#if defined(SERVELAB_VNNI) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
+// AMX tiles (Sapphire Rapids and later): the INT8 GEMM for many rows below
+#include <sys/syscall.h>
+#include <unistd.h>
+#define SERVELAB_AMX 1
+#endif
+
 #ifndef SERVELAB_NS
 #define SERVELAB_NS servelab_quant
 #endif
@@ -505,10 +512,189 @@ torch::Tensor q8_gemm(const torch::Tensor& x, const torch::Tensor& w, const torc
   return slab_gemm<T>(x, w.size(0), K, [&](T* out, int64_t a, int64_t b) { q8_dequantize_rows(wp, sp, out, K, a, b); });
 }
 
-// The GEMV up to `gemv_rows` rows, else a GEMM in x's precision (bf16 unless x is fp32: an
-// AVX2-only CPU runs bf16 GEMMs 8x slower than fp32).
+
+// ---- INT8 weights times many rows on AMX tiles --------------------------------------------
+//
+// The same integer sums as the GEMV (activations as 14-bit integers, one scale a row), on the
+// INT8 tiles: each 14-bit activation is split as hi * 128 + lo (hi in -64..63, lo in 0..127), two
+// INT8 products summed exactly in int32, so the result is the GEMV's, bit for bit up to the
+// order of the last float multiplications, at any number of rows. y^T = q . x^T on the tiles: the
+// weight is the left operand, loaded as it is stored (no conversion, no copy), and only the
+// activations, a few rows shared by every weight block, are laid out as the tiles want them
+// (per 16 rows, K/4 rows of 16 groups of 4 consecutive inputs).
+#ifdef SERVELAB_AMX
+namespace amx {
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Linux hands out the tile state only on request (once per process; oneDNN asks the same way).
+bool permitted() {
+  static const bool ok = [] {
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return ok;
+}
+
+// tiles 0-3: int32 sums [16 weight rows][16 x rows] (hi and lo, two weight blocks); 4-5: weight
+// rows (16 x 64 INT8); 6-7: the activations' hi and lo parts (16 rows of 16 x 4 INT8)
+void configure() {
+  TileConfig c;
+  for (int t = 0; t < 8; ++t) {
+    c.rows[t] = 16;
+    c.colsb[t] = 64;
+  }
+  _tile_loadconfig(&c);
+}
+
+// 16 activations as fp32
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+// One activation row as quantize_rows16 makes it (14-bit integers, scale amax / Q16, rounded half
+// to even), split into its hi and lo INT8 parts, each group of 4 inputs to its place in the tiles'
+// layout: row m is column m % 16 of tile m / 16, whose row p holds inputs 4p..4p+3.
+template <typename T>
+void pack_row(const T* x, int64_t K, float& dx, int8_t* hi, int8_t* lo, int64_t m, int64_t KQ) {
+  __m512 vmax = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(load16(x + k)));
+  const float amax = _mm512_reduce_max_ps(vmax);
+  const float inv = amax > 0.f ? static_cast<float>(Q16) / amax : 0.f;
+  dx = amax / static_cast<float>(Q16);
+  const __m512 iv = _mm512_set1_ps(inv);
+  uint32_t* h32 = reinterpret_cast<uint32_t*>(hi) + (m / 16) * KQ * 16 + m % 16;
+  uint32_t* l32 = reinterpret_cast<uint32_t*>(lo) + (m / 16) * KQ * 16 + m % 16;
+  for (int64_t k = 0; k < K; k += 16) {
+    const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(load16(x + k), iv));
+    alignas(16) uint32_t hq[4], lq[4];
+    _mm_store_si128((__m128i*)hq, _mm512_cvtepi32_epi8(_mm512_srai_epi32(v, 7)));  // floor(v / 128): -64..63
+    _mm_store_si128((__m128i*)lq, _mm512_cvtepi32_epi8(_mm512_and_si512(v, _mm512_set1_epi32(127))));
+    for (int j = 0; j < 4; ++j) {
+      h32[(k / 4 + j) * 16] = hq[j];
+      l32[(k / 4 + j) * 16] = lq[j];
+    }
+  }
+}
+
+// sums [16 n][16 m] of one weight block -> y rows m0.. (m_valid of them), columns n0..n0+15:
+// (hi * 128 + lo) * dx[m] * s[n], as the twin multiplies
+template <typename T>
+inline void write_tile(const int32_t* hi, const int32_t* lo, const float* dx, const float* s, T* y, int64_t N,
+                       int64_t m_valid) {
+  const __m512 sv = _mm512_loadu_ps(s);
+  const __m512i col = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                         _mm512_set1_epi32(16));
+  for (int64_t m = 0; m < m_valid; ++m) {
+    const __m512i h = _mm512_i32gather_epi32(col, hi + m, 4), l = _mm512_i32gather_epi32(col, lo + m, 4);
+    const __m512 isum = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(h, 7), l));
+    const __m512 v = _mm512_mul_ps(_mm512_mul_ps(isum, _mm512_set1_ps(dx[m])), sv);
+    if constexpr (std::is_same_v<T, float>) {
+      _mm512_storeu_ps(y + m * N, v);
+    } else {
+      _mm256_storeu_si256((__m256i*)(y + m * N), (__m256i)_mm512_cvtneps_pbh(v));
+    }
+  }
+}
+
+}  // namespace amx
+
+template <typename T>
+torch::Tensor q8_gemm_amx_impl(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales) {
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  const int64_t MT = (M + 15) / 16, KQ = K / 4;
+  std::vector<float> dx(MT * 16, 0.f);
+  std::vector<int8_t> xhi(MT * KQ * 64, 0), xlo(MT * KQ * 64, 0);  // rows past M stay 0
+  // (a parallel region costs more than a few rows take to pack)
+  at::parallel_for(0, M, 64, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) amx::pack_row(x.data_ptr<T>() + m * K, K, dx[m], xhi.data(), xlo.data(), m, KQ);
+  });
+  const auto s = scales.to(torch::kFloat32).contiguous();
+  const float* sp = s.data_ptr<float>();
+  const int8_t* wp = w.data_ptr<int8_t>();
+  auto y = torch::empty({M, N}, x.options());
+  T* yp = y.data_ptr<T>();
+  const int64_t NB = (N + 31) / 32;  // blocks of 32 weight rows (the last may be 16)
+  at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
+    amx::configure();
+    alignas(64) int32_t c[4][256];
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * 32;
+      const bool two_n = N - n0 >= 32;
+      const int8_t* w0 = wp + n0 * K;
+      const int8_t* w1 = w0 + 16 * K;
+      for (int64_t mt = 0; mt < MT; ++mt) {
+        const int8_t* hp = xhi.data() + mt * KQ * 64;
+        const int8_t* lp = xlo.data() + mt * KQ * 64;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t k = 0; k < K; k += 64) {
+          _tile_loadd(4, w0 + k, K);
+          _tile_loadd(6, hp + k * 16, 64);
+          _tile_loadd(7, lp + k * 16, 64);
+          _tile_dpbssd(0, 4, 6);
+          _tile_dpbssd(1, 4, 7);
+          if (two_n) {
+            _tile_loadd(5, w1 + k, K);
+            _tile_dpbssd(2, 5, 6);
+            _tile_dpbssd(3, 5, 7);
+          }
+        }
+        _tile_stored(0, c[0], 64);
+        _tile_stored(1, c[1], 64);
+        _tile_stored(2, c[2], 64);
+        _tile_stored(3, c[3], 64);
+        const int64_t m0 = mt * 16, m_valid = std::min<int64_t>(16, M - m0);
+        amx::write_tile<T>(c[0], c[1], dx.data() + m0, sp + n0, yp + m0 * N + n0, N, m_valid);
+        if (two_n) amx::write_tile<T>(c[2], c[3], dx.data() + m0, sp + n0 + 16, yp + m0 * N + n0 + 16, N, m_valid);
+      }
+    }
+    _tile_release();
+  });
+  return y;
+}
+
+torch::Tensor q8_gemm_amx(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && x.size(1) % 64 == 0 && w.size(0) % 16 == 0,
+              "q8_gemm_amx: x [M, K], w [N, K], K a multiple of 64, N of 16");
+  TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kChar, "q8_gemm_amx: w int8, contiguous");
+  TORCH_CHECK(amx::permitted(), "q8_gemm_amx: Linux did not grant this process the AMX tile state");
+  if (x.scalar_type() == torch::kFloat32) return q8_gemm_amx_impl<float>(x.contiguous(), w, scales);
+  return q8_gemm_amx_impl<at::BFloat16>(x.to(torch::kBFloat16).contiguous(), w, scales).to(x.scalar_type());
+}
+#endif
+
+bool amx_ready() {
+#ifdef SERVELAB_AMX
+  return amx::permitted();
+#else
+  return false;
+#endif
+}
+
+// Whether q8_matmul takes the AMX GEMM: bf16 activations (fp32 ones keep the fp32 GEMM over the
+// dequantized weight, their precision), K a multiple of 64, N of 16.
+bool use_amx(const torch::Tensor& x, const torch::Tensor& w) {
+  return x.scalar_type() == torch::kBFloat16 && w.size(1) % 64 == 0 && w.size(0) % 16 == 0 && amx_ready();
+}
+
+// The AMX GEMM where it serves and `amx` allows it (at any number of rows: it is faster than the GEMV
+// from one row on), else the GEMV up to `gemv_rows` rows, else a GEMM in x's precision (bf16 unless x
+// is fp32: an AVX2-only CPU runs bf16 GEMMs 8x slower than fp32).
 torch::Tensor q8_matmul(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales,
-                        int64_t gemv_rows) {
+                        int64_t gemv_rows, bool amx) {
+#ifdef SERVELAB_AMX
+  if (amx && x.size(0) > 0 && use_amx(x, w)) return q8_gemm_amx(x, w, scales);
+#endif
   if (x.size(0) <= gemv_rows) return q8_linear(x, w, scales);
   if (x.scalar_type() == torch::kFloat32) return q8_gemm<float>(x.contiguous(), w, scales);
   return q8_gemm<at::BFloat16>(x.to(torch::kBFloat16).contiguous(), w, scales).to(x.scalar_type());
@@ -522,8 +708,12 @@ TORCH_LIBRARY(SERVELAB_NS, m) {
   m.def("q4_dequantize(Tensor w, Tensor dm, ScalarType dtype) -> Tensor");
   m.def("q8_dequantize(Tensor w, Tensor scales) -> Tensor");
   m.def("q4_matmul(Tensor x, Tensor w, Tensor dm, int gemv_rows) -> Tensor");
-  m.def("q8_matmul(Tensor x, Tensor w, Tensor scales, int gemv_rows) -> Tensor");
+  m.def("q8_matmul(Tensor x, Tensor w, Tensor scales, int gemv_rows, bool amx) -> Tensor");
   m.def("portable() -> bool", &portable_build);
+  m.def("amx_ready() -> bool", &amx_ready);
+#ifdef SERVELAB_AMX
+  m.def("q8_gemm_amx(Tensor x, Tensor w, Tensor scales) -> Tensor");
+#endif
 }
 
 TORCH_LIBRARY_IMPL(SERVELAB_NS, CPU, m) {
@@ -533,4 +723,7 @@ TORCH_LIBRARY_IMPL(SERVELAB_NS, CPU, m) {
   m.impl("q8_dequantize", &q8_dequantize);
   m.impl("q4_matmul", &q4_matmul);
   m.impl("q8_matmul", &q8_matmul);
+#ifdef SERVELAB_AMX
+  m.impl("q8_gemm_amx", &q8_gemm_amx);
+#endif
 }
