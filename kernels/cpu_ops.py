@@ -20,14 +20,13 @@ last bit of a row's summation order or of exp for the others (the tests hold the
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from kernels.cpp_build import build
+from kernels.dispatch import Switch
 
 DTYPES = (torch.bfloat16, torch.float32)
-_enabled = True
+_enabled = Switch()
 
 
 def load():
@@ -40,7 +39,7 @@ def use_cpu_ops(*tensors: torch.Tensor | None) -> bool:
     """Whether an op on these tensors (None: an absent optional one) runs here: CPU tensors of one
     dtype, bf16 or fp32, outside autograd and outside torch.compile's tracing, the build available."""
     given = [t for t in tensors if t is not None]
-    if not _enabled or torch.compiler.is_compiling() or given[0].dtype not in DTYPES:
+    if not _enabled.on or torch.compiler.is_compiling() or given[0].dtype not in DTYPES:
         return False
     grad = torch.is_grad_enabled()
     if any(t.device.type != "cpu" or t.dtype != given[0].dtype or (grad and t.requires_grad) for t in given):
@@ -48,15 +47,9 @@ def use_cpu_ops(*tensors: torch.Tensor | None) -> bool:
     return load() is not None
 
 
-@contextlib.contextmanager
 def disabled():
     """The torch twins serve inside this block (benchmarks.eager_ops measures one against the other)."""
-    global _enabled
-    before, _enabled = _enabled, False
-    try:
-        yield
-    finally:
-        _enabled = before
+    return _enabled.set(False)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):

@@ -36,12 +36,11 @@ same sums, and without a compiler `available()` is false and callers keep the at
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn.functional as F
 
 from kernels.cpp_build import build
+from kernels.dispatch import Switch
 
 GROUP = 32
 Q16 = 8191  # the INT8 kernel's activations: 14-bit integers, one scale a row
@@ -134,25 +133,20 @@ def amx_ready() -> bool:
     return _AMX_READY
 
 
-_amx_on = True  # `with amx_tiles(False):` for A/B runs
+_amx_on = Switch()
 
 
-@contextlib.contextmanager
 def amx_tiles(on: bool):
-    """`with amx_tiles(False):` INT8 matmuls take the GEMV and the dequantized GEMM, as on CPUs without AMX."""
-    global _amx_on
-    before, _amx_on = _amx_on, on
-    try:
-        yield
-    finally:
-        _amx_on = before
+    """`with amx_tiles(False):` INT8 matmuls take the GEMV and the dequantized GEMM, as on CPUs
+    without AMX (benchmarks.quant_steps, for A/B runs)."""
+    return _amx_on.set(on)
 
 
 def q8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ (q * scales).T: AMX tiles where amx_ready(), else the GEMV for up to Q8_GEMV_ROWS
     rows and a GEMM over the weight dequantized for this call above; one op either way, so a compiled
     graph does not branch (and recompile) on the number of rows."""
-    return ops().q8_matmul(x, q, scales, Q8_GEMV_ROWS, _amx_on)
+    return ops().q8_matmul(x, q, scales, Q8_GEMV_ROWS, _amx_on.on)
 
 
 _AMX_READY: bool | None = None

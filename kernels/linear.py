@@ -26,7 +26,6 @@ rows are symbolic: a branch here would guard on them and recompile for each step
 
 from __future__ import annotations
 
-import contextlib
 import os
 import weakref
 from collections.abc import Callable
@@ -37,6 +36,7 @@ from torch import nn
 
 from kernels import cpu_ops
 from kernels.cpp_build import has_amx, namespace
+from kernels.dispatch import Switch
 
 # Up to this many rows the GEMV serves: at 16 it still reads 1.05-2.2x faster than oneDNN on every
 # SmolLM2 shape, at 24 the down projection (K = 1536) loses (0.83x) and at 32 the head (reports/gemv).
@@ -50,7 +50,7 @@ GEMV_ROWS_AMX = 3
 def gemv_rows() -> int:
     """Rows up to which the eager GEMV serves here: GEMV_ROWS, or GEMV_ROWS_AMX where packed weights
     run on AMX tiles (F.linear on plain weights also beats the GEMV at 16 rows there)."""
-    return GEMV_ROWS_AMX if _pack_weights and _amx() else GEMV_ROWS
+    return GEMV_ROWS_AMX if _pack_weights.on and _amx() else GEMV_ROWS
 
 
 def _amx() -> bool:
@@ -138,24 +138,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-_pack_weights = True  # benchmarks.packed_linear turns it off to compare (and `packing(False)`)
+_pack_weights = Switch()  # benchmarks.packed_linear turns it off to compare
 
 
-@contextlib.contextmanager
 def packing(on: bool):
     """`with packing(False):` bf16 Linears multiply by their plain weights (F.linear), for A/B runs."""
-    global _pack_weights
-    before, _pack_weights = _pack_weights, on
-    try:
-        yield
-    finally:
-        _pack_weights = before
+    return _pack_weights.set(on)
 
 
 def use_packed(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether a call the GEMV does not serve may take the packed weight: bf16 on the CPU, no
     autograd, oneDNN with bf16 support, packing on."""
-    if not _pack_weights or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
+    if not _pack_weights.on or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
         return False
     if x.device.type != "cpu" or weight.device.type != "cpu" or x.shape[-1] != weight.shape[-1]:
         return False

@@ -205,3 +205,21 @@ def test_on_amx_the_gemv_keeps_three_rows_and_the_packed_gemm_takes_four(monkeyp
         assert lin.gemv_rows() == lin.GEMV_ROWS
         layer(four)
     assert calls == [(3, 64), (4, 64)]
+
+
+def test_a_switch_is_set_for_its_block_only_and_restored_on_an_error():
+    from kernels.dispatch import Switch
+
+    switch = Switch()
+    with switch.set(False):
+        assert switch.on is False
+        with switch.set(True):
+            assert switch.on is True
+        assert switch.on is False
+    assert switch.on is True
+    with pytest.raises(RuntimeError), switch.set(False):
+        raise RuntimeError("inside")
+    assert switch.on is True
+    with lin.packing(False):  # the module switches are such switches
+        assert not lin._pack_weights.on and lin.gemv_rows() == lin.GEMV_ROWS
+    assert lin._pack_weights.on
