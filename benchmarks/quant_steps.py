@@ -58,7 +58,7 @@ def measure(quants: list[str]) -> tuple[dict, str]:
     names = ["none"] + quants
     overrides = {q: [f"quant={q.removesuffix(NO_AMX)}"] for q in names}
 
-    def plain(engine, q):
+    def stepper(engine, q):  # the engine's step, with the AMX GEMM off for the NO_AMX variant
         if not q.endswith(NO_AMX):
             return engine.step
 
@@ -74,15 +74,15 @@ def measure(quants: list[str]) -> tuple[dict, str]:
         def step():  # the 64 decodes plus a fresh prompt (random tokens: no prefix-cache hit), prefilled in this step
             prompt = [rng.randrange(1000, 49000) for _ in range(PREFILL)]
             engine.add_request(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
-            plain(engine, q)()
+            stepper(engine, q)()
         return step
 
     dtype = engines["none"].config.model.dtype
-    cases = {"decode, 64 rows": alternating({q: plain(e, q) for q, e in engines.items()}, 8),
+    cases = {"decode, 64 rows": alternating({q: stepper(e, q) for q, e in engines.items()}, 8),
              f"64 decodes + a {PREFILL}-token prefill": alternating({q: mixed(e, q) for q, e in engines.items()}, 4)}
     del engines
     singles = {q: decoding_engine(overrides[q], rows=1) for q in names}
-    cases["decode, batch 1"] = alternating({q: plain(e, q) for q, e in singles.items()}, 30)
+    cases["decode, batch 1"] = alternating({q: stepper(e, q) for q, e in singles.items()}, 30)
     return cases, dtype
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import logging
 import os
@@ -36,19 +37,28 @@ _built: dict[tuple[str, bool], object] = {}
 _failed: set[str] = set()
 
 
+@functools.cache
 def cpu_flags() -> str:
+    """/proc/cpuinfo's feature line (x86 `flags`, Arm `Features`) as it reads, part of a build's key;
+    the processor's name where there is none."""
     try:
         for line in open("/proc/cpuinfo"):
-            if line.startswith("flags"):
+            if line.startswith(("flags", "Features")):
                 return line
     except OSError:
         pass
     return platform.processor()
 
 
+def cpu_features() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo; empty if unreadable."""
+    line = cpu_flags()
+    return set(line.split(":", 1)[1].split()) if line.startswith(("flags", "Features")) else set()
+
+
 def has_amx() -> bool:
     """Whether the CPU has AMX tiles for bf16 (oneDNN's GEMMs, and so SDPA's, run on them)."""
-    return "amx_bf16" in cpu_flags().split()
+    return "amx_bf16" in cpu_features()
 
 
 def build(stem: str, portable: bool = False, functions: list[str] | None = None, fast_math: bool = True,

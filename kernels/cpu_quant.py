@@ -120,6 +120,9 @@ Q4_GEMV_ROWS = 12
 Q8_GEMV_ROWS = 16
 
 
+_AMX_READY: bool | None = None
+
+
 def amx_ready() -> bool:
     """Whether q8_matmul may run the INT8 GEMV's integer sums on AMX tiles here (`q8_gemm_amx`; the
     CPU has AMX-INT8, the build has the op, Linux granted the tile state). Where it does they serve
@@ -143,13 +146,10 @@ def amx_tiles(on: bool):
 
 
 def q8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ (q * scales).T: AMX tiles where amx_ready(), else the GEMV for up to Q8_GEMV_ROWS
+    """x [M, K] @ (q * scales).T: AMX tiles where amx_ready() (and amx_tiles is on), else the GEMV for up to Q8_GEMV_ROWS
     rows and a GEMM over the weight dequantized for this call above; one op either way, so a compiled
     graph does not branch (and recompile) on the number of rows."""
     return ops().q8_matmul(x, q, scales, Q8_GEMV_ROWS, _amx_on.on)
-
-
-_AMX_READY: bool | None = None
 
 
 def q4_1_groups(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int):

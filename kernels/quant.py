@@ -50,15 +50,16 @@ INT8_DEQUANT_ROWS = 24
 
 
 def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ (q * scales).T: Triton on CUDA; on the CPU the packed kernel for few rows, a GEMM in
-    x's precision (bf16 unless x is fp32) over the weight dequantized on the fly for many."""
+    """x [M, K] @ (q * scales).T: Triton on CUDA; on the CPU the C++ op (AMX tiles where the CPU has
+    them, else the GEMV for few rows and a GEMM in x's precision over the weight dequantized on the fly
+    for many), or aten's packed kernel and a bf16 GEMM where it did not build."""
     if use_triton(x):
         from kernels.triton_quant import int8_matmul as triton_int8_matmul
 
         return triton_int8_matmul(x, q, scales)
     if x.device.type == "cpu":
-        fast = cpu_quant.ops() if q.shape[1] % cpu_quant.GROUP == 0 else None
-        if fast is not None:  # both paths in one op: no branch on the rows in a compiled graph
+        # every path in one op: no branch on the rows in a compiled graph
+        if q.shape[1] % cpu_quant.GROUP == 0 and cpu_quant.available():
             return cpu_quant.q8_matmul(x, q, scales)
         xb, sb = x.to(torch.bfloat16), scales.to(torch.bfloat16)
         if x.shape[0] > INT8_DEQUANT_ROWS:

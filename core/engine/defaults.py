@@ -3,12 +3,11 @@ reports record the value that ran): the step's token budget and the model's comp
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from core.config.schema import EngineConfig
 from core.errors import ConfigError
+from kernels.cpp_build import cpu_features as cpu_feature_flags  # (tests replace it here)
 
 # A step's token budget when the config leaves it null, per device, as vLLM picks its defaults per
 # device. Every running decode waits through the step's prefill chunk: on 2 CPU cores a 1,024-token
@@ -20,17 +19,6 @@ STEP_BUDGET = {"cpu": 256, "cuda": 1024}
 # EPYC Zen 3) torch 2.13 runs a bf16 linear of 64 x 576 x 1,536 at about 19 GFLOP/s against 120 in
 # fp32, and a bf16 `mm` at about 1 GFLOP/s, so `auto` takes fp32 there.
 NATIVE_BF16_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}  # x86 flags; `bf16` is the Arm Features name
-
-
-def cpu_feature_flags() -> set[str]:
-    """The CPU's feature flags from /proc/cpuinfo (x86 `flags`, Arm `Features`); empty if unreadable."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
 
 
 def native_bf16(device: torch.device) -> bool:

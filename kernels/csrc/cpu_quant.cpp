@@ -17,7 +17,7 @@
 #endif
 
 #if defined(SERVELAB_VNNI) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
-// AMX tiles (Sapphire Rapids and later): the INT8 GEMM for many rows below
+// AMX tiles (Sapphire Rapids and later): the INT8 GEMM below, for any number of rows
 #include <sys/syscall.h>
 #include <unistd.h>
 #define SERVELAB_AMX 1
@@ -613,8 +613,9 @@ torch::Tensor q8_gemm_amx_impl(const torch::Tensor& x, const torch::Tensor& w, c
   std::vector<float> dx(MT * 16, 0.f);
   std::vector<int8_t> xhi(MT * KQ * 64, 0), xlo(MT * KQ * 64, 0);  // rows past M stay 0
   // (a parallel region costs more than a few rows take to pack)
+  const T* xp = x.data_ptr<T>();
   at::parallel_for(0, M, 64, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) amx::pack_row(x.data_ptr<T>() + m * K, K, dx[m], xhi.data(), xlo.data(), m, KQ);
+    for (int64_t m = m0; m < m1; ++m) amx::pack_row(xp + m * K, K, dx[m], xhi.data(), xlo.data(), m, KQ);
   });
   const auto s = scales.to(torch::kFloat32).contiguous();
   const float* sp = s.data_ptr<float>();
