@@ -60,21 +60,34 @@ def pytest_sessionstart(session):
     cpu_quant.ops()
 
 
+def _has_amx() -> bool:
+    from kernels import cpu_quant
+
+    return cpu_quant.amx_ready()
+
+
+# marker -> (whether this machine has the hardware, what a machine without it lacks)
+HARDWARE = {"cuda": (torch.cuda.is_available, "this machine has no CUDA device"),
+            "amx": (_has_amx, "this CPU has no AMX-INT8 tiles")}
+
+
 def pytest_collection_modifyitems(config, items):
-    """CUDA-only tests are deselected, not skipped, on a machine without CUDA: a skip must mean a
-    broken install (see pytest_sessionfinish), and this is no install's fault."""
-    if torch.cuda.is_available():
-        return
-    cuda = [item for item in items if item.get_closest_marker("cuda")]
-    if cuda:
-        items[:] = [item for item in items if not item.get_closest_marker("cuda")]
-        config.hook.pytest_deselected(items=cuda)
-        config._servelab_cuda_deselected = len(cuda)
+    """Tests of hardware this machine lacks (CUDA, AMX) are deselected, not skipped: a skip must mean
+    a broken install (see pytest_sessionfinish), and this is no install's fault."""
+    config._servelab_deselected = {}
+    for marker, (present, _) in HARDWARE.items():
+        if present():
+            continue
+        lacking = [item for item in items if item.get_closest_marker(marker)]
+        if lacking:
+            items[:] = [item for item in items if not item.get_closest_marker(marker)]
+            config.hook.pytest_deselected(items=lacking)
+            config._servelab_deselected[marker] = len(lacking)
 
 
 def pytest_report_collectionfinish(config):
-    n = getattr(config, "_servelab_cuda_deselected", 0)
-    return [f"{n} CUDA-only tests deselected: this machine has no CUDA device"] if n else []
+    return [f"{n} {marker.upper()}-only tests deselected: {HARDWARE[marker][1]}"
+            for marker, n in getattr(config, "_servelab_deselected", {}).items()]
 
 
 @pytest.hookimpl(trylast=True)

@@ -121,10 +121,7 @@ def test_amx_is_ready_exactly_where_the_cpu_has_amx_int8():
         assert cpu_quant.amx_ready() == has
 
 
-AMX = pytest.mark.skipif(not cpu_quant.amx_ready(), reason="the AMX GEMM runs only on CPUs with AMX-INT8")
-
-
-@AMX
+@pytest.mark.amx
 @pytest.mark.parametrize("n, k", [(48, 64), (960, 576), (576, 1536)])  # 48: a last block of 16 weight rows
 @pytest.mark.parametrize("rows", [1, 15, 17, 40])  # part tiles of 16 activation rows
 def test_q8_gemm_amx_gives_the_gemvs_integer_sums(n, k, rows):
@@ -145,7 +142,7 @@ def test_q8_gemm_amx_gives_the_gemvs_integer_sums(n, k, rows):
     torch.testing.assert_close(got, ops.q8_linear(xb, w, scales), atol=0, rtol=8e-3)  # and the GEMV's
 
 
-@AMX
+@pytest.mark.amx
 def test_q8_matmul_takes_the_amx_gemm_for_bf16_rows_unless_told_not_to():
     w = torch.randint(-127, 128, (96, 128), generator=g, dtype=torch.int8)
     scales = (torch.rand(96, generator=g) * 0.01).to(torch.bfloat16)
