@@ -51,6 +51,8 @@ from core.engine.types import (
 )
 from core.errors import ConfigError, ModelNotFoundError, RequestError, ServelabError
 from core.model.calibration import calibration_prompts
+from core.model.decode_plan import NativeDecode
+from core.model.decode_plan import why_not as native_decode_why_not
 from core.model.fuse import fuse_projections
 from core.model.gguf import PERMUTED_ARCHS, gguf_to_hf_name, unpermute_qk
 from core.model.llama import ForwardContext
@@ -78,6 +80,8 @@ __all__ = [
     "PERMUTED_ARCHS", "gguf_to_hf_name", "unpermute_qk",
     # a second model beside the engine's (speculative drafts): its forward, inputs and weights
     "ForwardContext", "ModelRunner", "fuse_projections", "load_model", "load_weights",
+    # decode-only steps of a Llama model as one C++ call (the torch backend's CPU fast path)
+    "NativeDecode", "native_decode_why_not",
     # the simulator's hardware profiles and step-time roofline
     "HardwareProfile", "StepTime", "StepTimeModel", "weight_bytes_per_param",
     # errors

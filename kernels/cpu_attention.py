@@ -24,7 +24,7 @@ it built, and the torch reference serves where it did not.
 
 from __future__ import annotations
 
-from kernels.cpp_build import build, has_amx
+from kernels.cpp_build import build, has_amx, namespace
 
 
 def load(portable: bool = False):
@@ -41,6 +41,11 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping, portable=False) -> None:
 
 def available() -> bool:
     return load() is not None
+
+
+def write_and_decode_op() -> str:
+    """The qualified name of `write_and_decode` as a torch op (for callers in C++: csrc/cpu_decode.cpp)."""
+    return f"{namespace('cpu_attention', portable=False)}::write_and_decode"
 
 
 def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale=None, v_scale=None, packed=None,

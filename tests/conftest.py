@@ -53,11 +53,12 @@ def pytest_sessionstart(session):
     """The C++ kernels built (or loaded from the cache) before any test runs, so that no test's
     subprocess (a CLI run under a timeout, a server, a tensor-parallel rank) compiles them on its
     own clock: on a slow machine three builds take minutes."""
-    from kernels import cpu_attention, cpu_ops, cpu_quant
+    from kernels import cpu_attention, cpu_decode, cpu_ops, cpu_quant
 
     cpu_ops.load()
     cpu_attention.load()
     cpu_quant.ops()
+    cpu_decode.load()
 
 
 def _has_amx() -> bool:

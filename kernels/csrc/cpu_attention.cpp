@@ -389,3 +389,13 @@ torch::Tensor write_and_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v
   write_kv(k, v, k_cache, v_cache, slot_mapping);
   return paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, c10::nullopt, c10::nullopt);
 }
+
+// Also a torch op, for callers in C++ (csrc/cpu_decode.cpp); Python calls the module's function.
+TORCH_LIBRARY(SERVELAB_NS, m) {
+  m.def("write_and_decode(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
+        "Tensor block_tables, Tensor context_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(SERVELAB_NS, CPU, m) {
+  m.impl("write_and_decode", &write_and_decode);
+}

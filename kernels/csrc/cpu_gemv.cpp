@@ -136,8 +136,10 @@ torch::Tensor bf16_matmul(torch::Tensor x, torch::Tensor w, int64_t gemv_rows) {
 
 TORCH_LIBRARY(SERVELAB_NS, m) {
   m.def("bf16_matmul(Tensor x, Tensor w, int gemv_rows) -> Tensor");
+  m.def("bf16_linear(Tensor x, Tensor w) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(SERVELAB_NS, CPU, m) {
   m.impl("bf16_matmul", &bf16_matmul);
+  m.impl("bf16_linear", &bf16_linear);
 }

@@ -202,3 +202,17 @@ torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up) {
   });
   return out;
 }
+
+// Also torch ops, for callers in C++ (csrc/cpu_decode.cpp runs a decode step's layers through them);
+// Python calls the functions above through the build's module.
+TORCH_LIBRARY_FRAGMENT(SERVELAB_NS, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor? residual) -> Tensor[]");
+  m.def("rotary(Tensor x, Tensor positions, Tensor cos, Tensor sin) -> Tensor");
+  m.def("silu_mul(Tensor gate, Tensor up) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(SERVELAB_NS, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("rotary", &rotary);
+  m.impl("silu_mul", &silu_mul);
+}

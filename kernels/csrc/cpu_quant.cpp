@@ -103,6 +103,9 @@ void q4_rows_portable(const uint8_t* w, const at::Half* dm, const QuantizedRows&
 }
 
 #ifdef SERVELAB_VNNI
+#ifndef Q4_PREFETCH
+#define Q4_PREFETCH 4096
+#endif
 // One output row n against MR activation rows: each 64-byte chunk of the row holds 4 groups
 // (bytes g*16..g*16+15: low nibbles = inputs 0..15 of group g, high nibbles = inputs 16..31), so
 // two u8 x s8 dot products give each group's sum in 4 int32 lanes.
@@ -117,6 +120,8 @@ inline void q4_row(const uint8_t* wr, const at::Half* dmr, const QuantizedRows& 
   for (int j = 0; j < MR; ++j) acc[j] = _mm512_setzero_ps();
   for (int64_t c = 0; c < C; ++c) {
     const int64_t left = bytes - c * 64;
+    _mm_prefetch(reinterpret_cast<const char*>(wr + c * 64) + Q4_PREFETCH, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(dmr + c * 8) + Q4_PREFETCH / 4, _MM_HINT_T0);
     const __m512i wv = left >= 64 ? _mm512_loadu_si512(wr + c * 64)
                                   : _mm512_maskz_loadu_epi8((__mmask64)((1ULL << left) - 1), wr + c * 64);
     const __m512i lo = _mm512_and_si512(wv, low4);

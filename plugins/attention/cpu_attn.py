@@ -77,6 +77,11 @@ class CPUAttention(TorchAttention):
         return prefill_attention(q, k_cache, v_cache, block_tables, context_lens, starts, scale, k_scale, v_scale,
                                  host=host, groups=groups)
 
+    def decode_op(self, kv_cache: tuple) -> str | None:
+        """The torch op `forward` runs for a decode-only step on this layer's cache (a native decode
+        plan calls it from C++), or None where that step takes the torch path (an int8 cache)."""
+        return cpu_attention.write_and_decode_op() if len(kv_cache) == 2 else None
+
     def forward(self, q, k, v, kv_cache: tuple, meta, scale: float):
         if len(kv_cache) > 2:  # an int8 cache quantizes as it writes: the torch path
             return super().forward(q, k, v, kv_cache, meta, scale)

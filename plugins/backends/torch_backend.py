@@ -3,6 +3,8 @@
 On CUDA, decode-only steps replay CUDA graphs captured at start-up, one per batch-size bucket
 (`backend.cuda_graphs`, on by default there; it needs an attention backend with the
 `cuda_graphs` capability, such as `triton`). Steps with a prefill chunk run eagerly.
+On the CPU, decode-only steps run as one C++ call (`backend.native_decode`, on where it applies:
+core/model/decode_plan.py), the same kernels as the eager forward without Python between them.
 With `backend.compile=true` the forward of every other step runs through torch.compile (see
 plugins/backends/compiled.py): off by default, as the first steps pay its compile time.
 """
@@ -16,7 +18,17 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from core.api import AttentionBackend, BackendConfig, ConfigError, KVCacheSpec, ModelInput, has_capability, hookimpl
+from core.api import (
+    AttentionBackend,
+    BackendConfig,
+    ConfigError,
+    KVCacheSpec,
+    ModelInput,
+    NativeDecode,
+    has_capability,
+    hookimpl,
+    native_decode_why_not,
+)
 from plugins.backends.compiled import CompiledForward
 from plugins.backends.cuda_graphs import DecodeGraphs
 
@@ -27,6 +39,9 @@ log = logging.getLogger("servelab")
 class TorchBackendConfig(BackendConfig):
     cuda_graphs: bool | None = None  # None: on for CUDA devices with a capable attention backend
     compile: bool = False  # torch.compile (inductor) of the forward, attention opaque; steps the graphs skip
+    # CPU decode-only steps as one C++ call (core/model/decode_plan.py). None: where the model, its
+    # layers and the attention backend allow it; true: refuse to start where they do not; false: eager
+    native_decode: bool | None = None
 
 
 class TorchBackend:
@@ -46,6 +61,11 @@ class TorchBackend:
         self.use_graphs = capable and device.type == "cuda" if config.cuda_graphs is None else config.cuda_graphs
         self.graphs: DecodeGraphs | None = None
         self.forward = CompiledForward(model) if config.compile else model
+        self.native_decode: NativeDecode | None = None
+        self.native_wanted = config.native_decode is not False and device.type == "cpu"
+        if config.native_decode and device.type != "cpu":
+            raise ConfigError(f"backend.native_decode=true runs decode steps on the CPU; the model is on {device}")
+        self.native_required = bool(config.native_decode)
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self.kv_caches = self.attention.allocate_kv_cache(num_blocks, block_size, self.spec, self.device)
@@ -56,6 +76,17 @@ class TorchBackend:
             self.graphs.capture_all()
             log.info("captured %d CUDA graphs of decode steps (batch sizes %s) in %.1f s", len(self.graphs.sizes),
                      self.graphs.sizes, time.perf_counter() - t0)
+        if self.native_wanted:
+            self._native_decode()
+
+    def _native_decode(self) -> None:
+        reason = native_decode_why_not(self.model, self.attention, self.kv_caches)
+        if reason and self.native_required:
+            raise ConfigError(f"backend.native_decode=true, but {reason}")
+        if reason:
+            log.info("decode steps run eagerly: %s", reason)
+        else:
+            self.native_decode = NativeDecode(self.model, self.attention, self.kv_caches)
 
     @torch.inference_mode()
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -68,7 +99,10 @@ class TorchBackend:
     def execute(self, batch: ModelInput) -> torch.Tensor:
         if self.graphs is not None and self.graphs.fits(batch):
             return self.graphs.run(batch)
-        hidden = self.forward(batch.input_ids, batch.positions, batch.attn, self.kv_caches, self.attention)
+        if self.native_decode is not None and self.native_decode.serves(batch):
+            hidden = self.native_decode.forward(batch)
+        else:
+            hidden = self.forward(batch.input_ids, batch.positions, batch.attn, self.kv_caches, self.attention)
         return self.model.compute_logits(hidden[batch.logits_indices])
 
 
