@@ -91,3 +91,24 @@ def test_the_engine_feeds_its_model_every_step(tiny_llama):
     assert model.num_steps + model.num_outliers == engine.core.step_count
     last = engine.last_step
     assert model.ready and last.predicted_s is not None and last.predicted_s > 0
+
+
+def test_predictions_refit_every_few_steps_and_read_outs_are_exact():
+    """The solve runs once `refit_every` steps have come in (predictions in between use the last
+    fit); reading the coefficients always solves what has been observed."""
+    rng = np.random.default_rng(3)
+    model, exact = StepCostModel(refit_every=4), StepCostModel(refit_every=1)
+    shapes = [random_step(rng) for _ in range(30)]
+    for shape in shapes[:20]:
+        for m in (model, exact):
+            m.observe(shape, true_time(shape))
+    probe = shapes[25]
+    assert model.predict(probe) == pytest.approx(exact.predict(probe), rel=1e-12)  # 20 = 5 x 4: just refit
+    slow = {**TRUE, "overhead": 0.5}
+    for shape in shapes[20:23]:  # three more, slower steps: under refit_every
+        for m in (model, exact):
+            m.observe(shape, true_time(shape, slow))
+    stale = model.predict(probe)
+    assert stale < exact.predict(probe) - 0.01  # the exact model already sees the slower steps
+    assert model.coefficients() == exact.coefficients()
+    assert model.predict(probe) == pytest.approx(exact.predict(probe), rel=1e-12)
