@@ -11,7 +11,8 @@
 # plugin entry points are per install), then this tree is installed back. Each half writes
 # OUT_DIR/{before,after}/<run>/report.json and a step profile in OUT_DIR/{before,after}/profile-step; `python -m benchmarks.before_after_table OUT_DIR`
 # merges them into OUT_DIR/report.md. `extras` adds this tree's own configurations (backend.compile,
-# scheduler=slo), reported beside the after half's default.
+# decode steps through the eager forward instead of the native plan, scheduler=slo), reported beside
+# the after half's default.
 set -euo pipefail
 REF="$1"
 OUT="$(realpath -m "$2")"
@@ -30,7 +31,10 @@ runs() {  # $1: tree, $2: label
     python "$HERE/benchmarks/profile_step.py" --out "$OUT/$2/profile-step")
 }
 extras() {  # configurations the earlier tree may lack, run on this tree only
-  python -m core compare -v "backend.compile=true" workload=decode_heavy run.name=decode_heavy-extra \
+  python -m core compare -v "backend.compile=true" -v "backend.native_decode=false" workload=decode_heavy \
+    run.name=decode_heavy-extra "run.report_dir=$OUT/after" &&
+  python -m core compare -v "quant=gguf backend.native_decode=false" -v "backend.native_decode=false" workload=fixed \
+    workload.num_requests=1 workload.prompt_len=64 workload.output_len=128 run.name=batch1-extra \
     "run.report_dir=$OUT/after" &&
   python -m core compare -v "scheduler=slo" -v "scheduler=slo backend.compile=true" workload=chat_longtail \
     run.name=chat_longtail-extra "run.report_dir=$OUT/after"

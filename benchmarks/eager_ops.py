@@ -15,7 +15,7 @@ import argparse
 import statistics
 
 from benchmarks.ab import alternating_rounds, write_report
-from benchmarks.profile_step import decoding_engine
+from benchmarks.profile_step import EAGER, decoding_engine
 from kernels import cpu_ops
 
 ROUNDS = 7
@@ -31,7 +31,7 @@ def side_by_side(step, n: int) -> dict:
 def measure() -> dict:
     from core.engine.types import SamplingParams
 
-    engine = decoding_engine([], rows=64)
+    engine = decoding_engine(EAGER, rows=64)
     fresh = iter(range(10**6))
 
     def mixed():  # the 64 decodes plus a fresh 512-token prompt, prefilled in this one step
@@ -40,7 +40,7 @@ def measure() -> dict:
         engine.step()
 
     cases = {"decode, 64 rows": side_by_side(engine.step, 4), "64 decodes + a 512-token prefill": side_by_side(mixed, 2)}
-    single = decoding_engine([], rows=1)
+    single = decoding_engine(EAGER, rows=1)
     cases["decode, batch 1"] = side_by_side(single.step, 20)
     return cases
 

@@ -70,11 +70,11 @@ def micro(probe: torch.Tensor) -> list[dict]:
 
 
 def engine_steps() -> dict:
-    from benchmarks.profile_step import decoding_engine
+    from benchmarks.profile_step import EAGER, decoding_engine
 
     out = {}
     for rows in (1, 4, 16):
-        engine = decoding_engine([], rows=rows)
+        engine = decoding_engine(EAGER, rows=rows)
         n = 20 if rows == 1 else 10
         on, off = [], []
         saved = gemv.GEMV_ROWS, gemv.GEMV_ROWS_AMX
@@ -95,7 +95,7 @@ def engine_steps() -> dict:
 
 def compiled_steps(rows_list=(1, 16)) -> dict:
     """backend.compile=true decode steps: the graph with the GEMV op against the graph without it."""
-    from benchmarks.profile_step import decoding_engine
+    from benchmarks.profile_step import EAGER, decoding_engine
 
     out = {}
     for rows in rows_list:
@@ -103,7 +103,7 @@ def compiled_steps(rows_list=(1, 16)) -> dict:
         for on in (True, False):  # the choice is made while tracing, on the first step
             gemv._enabled_for_graphs = on
             try:
-                engines[on] = decoding_engine(["backend.compile=true"], rows=rows)
+                engines[on] = decoding_engine(["backend.compile=true", *EAGER], rows=rows)
                 engines[on].step()
             finally:
                 gemv._enabled_for_graphs = True

@@ -18,7 +18,7 @@ import statistics
 import torch
 
 from benchmarks.ab import alternating_rounds, write_report
-from benchmarks.profile_step import decoding_engine
+from benchmarks.profile_step import EAGER, decoding_engine
 from kernels.linear import Linear, packing, use_packed
 
 ROUNDS = 7
@@ -53,7 +53,7 @@ def shapes() -> dict:
 def steps() -> dict:
     from core.engine.types import SamplingParams
 
-    engine = decoding_engine([], rows=64)
+    engine = decoding_engine(EAGER, rows=64)
     fresh = iter(range(10**6))
 
     def mixed():
@@ -63,7 +63,7 @@ def steps() -> dict:
 
     cases = {"decode, 64 rows": alternate(engine.step, 4), "64 decodes + a 512-token prefill": alternate(mixed, 2)}
     # 8 rows: on AMX CPUs the packed GEMM takes these from the GEMV (plain weights: the GEMV's 16 rows)
-    cases["decode, 8 rows"] = alternate(decoding_engine([], rows=8).step, 10)
+    cases["decode, 8 rows"] = alternate(decoding_engine(EAGER, rows=8).step, 10)
     return cases
 
 

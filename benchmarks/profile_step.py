@@ -53,6 +53,9 @@ def instrument(engine) -> None:
             if m is not None:
                 m.forward = _ranged(m.forward, "qkv/o projections")
     model.compute_logits = _ranged(model.compute_logits, "lm_head (sampled rows)")
+    native = getattr(engine.backend, "native_decode", None)
+    if native is not None:  # its layers run in C++: they show in the operator table only
+        native.forward = _ranged(native.forward, "native decode (all layers, one C++ call)")
 
 
 def _ranged(fn, name):
@@ -62,6 +65,11 @@ def _ranged(fn, name):
             return fn(*a, **kw)
 
     return wrapped
+
+
+# the eager forward for every step: what the A/B benchmarks of its kernels (eager_ops, gemv,
+# packed_linear) measure, decode steps included (by default those run as one C++ call: native_decode)
+EAGER = ["backend.native_decode=false"]
 
 
 def build(overrides: list[str]):
@@ -105,10 +113,18 @@ def profile_steps(engine, label: str, n: int, make_step) -> tuple[str, float]:
         for _ in range(n):
             make_step()
         wall = (time.perf_counter() - t0) / n
-    names = set(STAGES.values()) | {"mlp (per layer)", "norms", "qkv/o projections", "lm_head (sampled rows)"}
+    names = set(STAGES.values()) | {"mlp (per layer)", "norms", "qkv/o projections", "lm_head (sampled rows)",
+                                    "native decode (all layers, one C++ call)"}
     by_op, by_stage = table(prof, names)
     return f"## {label}\n\n{n} steps profiled; {wall * 1e3:.1f} ms a step (wall, under the profiler)\n\n" \
            f"### By servelab stage\n\n{by_stage}\n\n### By operator (self time)\n\n{by_op}\n", wall
+
+
+def native_note(engine) -> str:
+    if getattr(engine.backend, "native_decode", None) is None:
+        return "the eager forward (per-layer stages below)"
+    return ("one C++ call (`backend.native_decode`): its layers show in the operator table only, "
+            "under their kernels' names")
 
 
 def main(argv=None) -> int:
@@ -140,6 +156,7 @@ def main(argv=None) -> int:
     m = machine_info()
     md = (f"# Where a step's time goes\n\n- machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}\n"
           f"- engine: the default (continuous + paged, bf16), overrides: `{' '.join(args.overrides) or 'none'}`\n"
+          f"- decode-only steps: {native_note(engine)}\n"
           f"- made by `python -m benchmarks.profile_step`\n\n{decode_md}\n{mixed_md}\n{single_md}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,14 @@ import torch
 from core.model.fuse import FusedLinear
 from core.model.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM, RMSNorm
 from kernels import cpu_decode
+from kernels.dispatch import Switch
+
+_on = Switch()
+
+
+def native_decoding(on: bool):
+    """`with native_decoding(False):` decode steps run the eager forward (benchmarks.native_decode A/Bs)."""
+    return _on.set(on)
 
 
 class NativeDecode:
@@ -28,7 +36,7 @@ class NativeDecode:
     def serves(self, batch) -> bool:
         """Whether the plan runs this step: decode-only (each row a sequence's one new token), and the
         plan still reproduces the eager forward under the kernels' switches as they are now."""
-        if batch.attn.max_query_len != 1 or batch.input_ids.shape[0] != batch.attn.num_seqs:
+        if not _on.on or batch.attn.max_query_len != 1 or batch.input_ids.shape[0] != batch.attn.num_seqs:
             return False
         key = cpu_decode.settings()
         if key != self.key:
