@@ -4,8 +4,10 @@ Build llama.cpp first (`bash benchmarks/llama_cpp_build.sh`, its binaries are fo
 or given with --bin). Two measurements, each run side by side in this one process's lifetime:
 
 - batch-1 decode: `llama-bench -p 0 -n 128` (tg128, 2 threads) against servelab generating 128
-  tokens for one request (tokens after the first over their time), `quant=gguf` (eager and with
-  `backend.compile=true`, its compile paid in the warm-up) and bf16;
+  tokens for one request (tokens after the first over their time), `quant=gguf` and bf16 as they
+  run by default (decode steps as one C++ call), and with decode steps through the eager forward
+  (`backend.native_decode=false`) or, for gguf, inductor's graph (`backend.compile=true`, its compile
+  paid in the warm-up);
 - load: N streams back to back (GuideLLM's constant concurrency), fixed prompt/output lengths,
   the same locust bench (`python -m core bench`) against `llama-server -np N` and against
   servelab's own server: TTFT, inter-token latency and output throughput.
@@ -93,6 +95,17 @@ def row(name: str, s: dict) -> str:
             f"{ms(s['itl_s']['p99'])} | {ms(s['tpot_s']['p50'])} | {s['output_tok_s']:.1f} | {s['failures']} |")
 
 
+EAGER = "backend.native_decode=false"  # decode steps through the eager forward (or the compiled graph)
+VARIANTS = {  # name: (report tag, overrides); the default runs decode steps as one C++ call
+    "servelab quant=gguf": ("gguf", ["quant=gguf"]),
+    f"servelab quant=gguf {EAGER}": ("gguf-eager", ["quant=gguf", EAGER]),
+    f"servelab quant=gguf backend.compile=true {EAGER}": ("gguf-compiled", ["quant=gguf", "backend.compile=true", EAGER]),
+    "servelab bf16": ("bf16", ["model.dtype=bf16"]),
+    f"servelab bf16 {EAGER}": ("bf16-eager", ["model.dtype=bf16", EAGER]),
+}
+LOAD_TAGS = ("gguf", "gguf-eager", "bf16")  # the load runs (each a server start and a locust run)
+
+
 def main(argv=None) -> int:
     from core.bench.roofline import machine_info
     from core.model.default_model import default_model_path
@@ -112,18 +125,14 @@ def main(argv=None) -> int:
         return 2
     gguf = default_model_path()
     args.out.mkdir(parents=True, exist_ok=True)
-    variants = {"servelab quant=gguf": ["quant=gguf"],
-                "servelab quant=gguf backend.compile=true": ["quant=gguf", "backend.compile=true"],
-                "servelab bf16": ["model.dtype=bf16"],
-                "servelab bf16 backend.compile=true": ["model.dtype=bf16", "backend.compile=true"]}
     result = {"machine": machine_info(), "gguf": str(gguf), "args": {k: str(v) for k, v in vars(args).items()},
               "batch1": {"llama.cpp (llama-bench tg128)": llama_bench(args.bin, gguf, args.threads, args.reps)}}
-    for name, ov in variants.items():
+    for name, (_, ov) in VARIANTS.items():
         result["batch1"][name] = servelab_batch1(ov + [f"backend.num_threads={args.threads}"], args.reps)
     result["load"] = {f"llama-server -np {args.streams}": llama_server_load(args.bin, gguf, args.out, args)}
-    for name, ov in variants.items():
-        tag = "-".join(o.split("=")[1] for o in ov).replace("true", "compiled")
-        result["load"][name] = bench(f"servelab-{tag}", args.out, args, ov)
+    for name, (tag, ov) in VARIANTS.items():
+        if tag in LOAD_TAGS:
+            result["load"][name] = bench(f"servelab-{tag}", args.out, args, ov)
     (args.out / "report.json").write_text(json.dumps(result, indent=2))
     m = result["machine"]
     lines = [f"# servelab beside llama.cpp\n\n- machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}; "

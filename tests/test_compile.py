@@ -22,7 +22,8 @@ def _engine(path, compile_: bool, attention: str = "auto", dtype: str = "fp32"):
     cfg.model.dtype = dtype
     cfg.cache = PagedCacheConfig(name="paged", block_size=16, memory_gb=0.01)
     cfg.attention = AttentionConfig(name=attention)
-    cfg.backend = TorchBackendConfig(name="torch", compile=compile_)
+    # decode steps through the graph too (by default they run as one C++ call: backend.native_decode)
+    cfg.backend = TorchBackendConfig(name="torch", compile=compile_, native_decode=False)
     return Engine(cfg)
 
 
