@@ -103,12 +103,13 @@ struct DecodePlan : torch::CustomClassHolder {
     const int64_t rows = x.size(0), q_width = heads_ * head_dim_, kv_width = kv_heads_ * head_dim_;
     at::Tensor residual;
     for (Layer& layer : layers_) {
-      if (!residual.defined()) {
-        auto normed = rms_norm_.call(x, layer.input_norm, eps_, c10::nullopt);
-        residual = x, x = normed[0];
+      if (!residual.defined()) {  // the first layer: its input is the residual stream
+        residual = x;
+        x = rms_norm_.call(x, layer.input_norm, eps_, c10::nullopt)[0];
       } else {
         auto normed = rms_norm_.call(x, layer.input_norm, eps_, residual);
-        x = normed[0], residual = normed[1];
+        x = normed[0];
+        residual = normed[1];
       }
       at::Tensor qkv = linear(layer.qkv, x);
       at::Tensor q = qkv.narrow(1, 0, q_width).view({rows, heads_, head_dim_});
@@ -120,7 +121,8 @@ struct DecodePlan : torch::CustomClassHolder {
                                             context_lens, scale_);
       x = linear(layer.o, o.reshape({rows, q_width}));
       auto normed = rms_norm_.call(x, layer.post_norm, eps_, residual);
-      x = normed[0], residual = normed[1];
+      x = normed[0];
+      residual = normed[1];
       at::Tensor gate_up = linear(layer.gate_up, x);
       x = linear(layer.down, silu_mul_.call(gate_up.narrow(1, 0, inter_), gate_up.narrow(1, inter_, inter_)));
     }
