@@ -24,7 +24,9 @@ ENGINES = {"bf16": [], "int8": ["quant=int8"], "gguf": ["quant=gguf"]}
 
 
 def steps_a_round(rows: int) -> int:
-    return max(4, 64 // rows)
+    """Steps a round: about 16 rows' worth, and at most 24, so that the 2 x ROUNDS rounds end well
+    before the sequences' 400 tokens (profile_step.decoding_engine) run out."""
+    return max(4, min(24, 64 // rows))
 
 
 def measure(engines: dict[str, list[str]], rows_list=ROWS) -> dict:
@@ -34,7 +36,9 @@ def measure(engines: dict[str, list[str]], rows_list=ROWS) -> dict:
             engine = decoding_engine(overrides, rows=rows)
             if engine.backend.native_decode is None:
                 raise SystemExit(f"{name}: the native decode plan does not apply here")
-            r = alternating_rounds(engine.step, steps_a_round(rows), ROUNDS, lambda: native_decoding(False))
+            n = steps_a_round(rows)
+            assert 2 * (ROUNDS * n + 1) < 400, "the rounds would outlast the sequences"
+            r = alternating_rounds(engine.step, n, ROUNDS, lambda: native_decoding(False))
             native, eager, ratios = r["mine"], r["baseline"], r["ratios"]
             cases[f"{name}, {rows} rows"] = {
                 "engine": name, "rows": rows, "native_ms": statistics.median(native) * 1e3,
