@@ -33,7 +33,7 @@ def load():
     if cpu_ops.load() is None:  # its ops must be registered before a plan looks them up
         return None
     ns = build("cpu_decode", fast_math=False)
-    return None if ns is None else getattr(getattr(torch.classes, ns), "DecodePlan")
+    return None if ns is None else getattr(torch.classes, ns).DecodePlan
 
 
 def new_plan(cos: torch.Tensor, sin: torch.Tensor, final_norm: torch.Tensor, num_heads: int, num_kv_heads: int,
