@@ -62,9 +62,9 @@ def has_amx() -> bool:
 
 
 def build(stem: str, portable: bool = False, functions: list[str] | None = None, fast_math: bool = True,
-          parts: tuple[str, ...] = ()):
-    """csrc/STEM.cpp (then csrc/PART.cpp for each of `parts`, as one translation unit) compiled and
-    loaded, or None if it cannot build. With `functions` it is a
+          parts: tuple[str, ...] = (), prelude: tuple[str, ...] = ()):
+    """csrc/STEM.cpp (after csrc/NAME.cpp for each of `prelude`, then csrc/PART.cpp for each of
+    `parts`, as one translation unit) compiled and loaded, or None if it cannot build. With `functions` it is a
     Python module exposing them; without, a library registering torch ops (its namespace is the
     `SERVELAB_NS` macro, which the caller reads back from `namespace(...)`). `fast_math=False` for
     code whose float rounding must match its torch twin's exactly (no fast-math, and no a * b + c
@@ -74,7 +74,7 @@ def build(stem: str, portable: bool = False, functions: list[str] | None = None,
         return _built.get(key_id)
     from torch.utils.cpp_extension import load_inline
 
-    source = "\n".join((CSRC / f"{name}.cpp").read_text() for name in (stem, *parts))
+    source = "\n".join((CSRC / f"{name}.cpp").read_text() for name in (*prelude, stem, *parts))
     exact = "" if fast_math else "exact-nocontract"
     march = os.environ.get("SERVELAB_CPP_MARCH") or "native"
     ident = source + cpu_flags() + torch.__version__ + str(portable) + exact + march

@@ -5,7 +5,9 @@ the next-but-one block prefetched), for all of a KV head's query heads at once (
 repeating KV), with an online softmax in fp32; bf16, fp32 and the INT8 cache (per-token scales)
 are read as stored. Sequences x KV heads run in parallel on ATen's thread pool. On AVX-512
 machines tiles of 16 keys go through vector code (bf16 q.k as AVX512-BF16 pair products where the
-CPU has them, P.V too); elsewhere a portable loop serves.
+CPU has them, P.V too); elsewhere a portable loop serves. On CPUs with AMX-BF16 tiles a bf16 cache
+(block size a multiple of 16, head_dim a multiple of 64) is read by a tile kernel instead: two
+passes, S = Q.K^T then the exact softmax then P.V, both products on the tiles (`amx_decode`).
 
 Paged prefill (csrc/cpu_prefill.cpp), the twin of kernels.attention.prefill_attention: every
 chunk of a step in one call, causal over its cached prefix, read in place. For a bf16 cache with
@@ -24,14 +26,17 @@ it built, and the torch reference serves where it did not.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from kernels.cpp_build import build, has_amx, namespace
 
 
 def load(portable: bool = False):
     """The compiled module (built on first use, then cached per machine), or None if it cannot build.
     `portable`: without the AVX-512 code, as machines without it build it (for tests)."""
-    return build("cpu_attention", portable, parts=("cpu_prefill",),
-                 functions=["paged_decode", "write_kv", "write_and_decode", "paged_prefill", "prefill_fast"])
+    return build("cpu_attention", portable, parts=("cpu_prefill",), prelude=("cpu_amx",),
+                 functions=["paged_decode", "write_kv", "write_and_decode", "paged_prefill", "prefill_fast",
+                            "set_amx_decode", "amx_decode_ready"])
 
 
 def write_kv(k, v, k_cache, v_cache, slot_mapping, portable=False) -> None:
@@ -41,6 +46,24 @@ def write_kv(k, v, k_cache, v_cache, slot_mapping, portable=False) -> None:
 
 def available() -> bool:
     return load() is not None
+
+
+def amx_decode_ready() -> bool:
+    """Whether bf16 decode runs on AMX tiles here (built with them, and the OS grants their state)."""
+    module = load()
+    return module is not None and bool(module.amx_decode_ready())
+
+
+@contextmanager
+def amx_decode(on: bool):
+    """bf16 decode on the AMX tile kernel (on, the default where ready) or the vector kernel (off)
+    inside the block: for A/B runs and for tests of one against the other."""
+    module = load()
+    before = module.set_amx_decode(on)
+    try:
+        yield
+    finally:
+        module.set_amx_decode(before)
 
 
 def write_and_decode_op() -> str:

@@ -49,7 +49,7 @@ Q16 = 8191  # the INT8 kernel's activations: 14-bit integers, one scale a row
 def ops(portable: bool = False):
     """The torch.ops namespace of the build (None if it did not build), its ops' shapes known to
     torch.compile's tracing."""
-    ns = build("cpu_quant", portable, fast_math=False)  # x rounds to int8 exactly as its twin does
+    ns = build("cpu_quant", portable, fast_math=False, prelude=("cpu_amx",))  # x rounds to int8 exactly as its twin does
     if ns is None:
         return None
     if ns not in _faked:

@@ -67,9 +67,16 @@ def _has_amx() -> bool:
     return cpu_quant.amx_ready()
 
 
+def _has_amx_bf16() -> bool:
+    from kernels import cpu_attention
+
+    return cpu_attention.amx_decode_ready()
+
+
 # marker -> (whether this machine has the hardware, what a machine without it lacks)
 HARDWARE = {"cuda": (torch.cuda.is_available, "this machine has no CUDA device"),
-            "amx": (_has_amx, "this CPU has no AMX-INT8 tiles")}
+            "amx": (_has_amx, "this CPU has no AMX-INT8 tiles"),
+            "amx_bf16": (_has_amx_bf16, "this CPU has no AMX-BF16 tiles")}
 
 
 def pytest_collection_modifyitems(config, items):

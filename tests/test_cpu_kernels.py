@@ -29,6 +29,26 @@ def test_decode_matches_the_reference(group, d, dtype, portable):
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.amx_bf16
+@pytest.mark.parametrize("group, d, block_size", [(3, 64, 16), (8, 128, 32), (16, 64, 16)])
+def test_amx_decode_matches_the_reference_and_the_vector_kernel(group, d, block_size):
+    # 1 and 17 keys end mid-tile, 100 spans blocks, 300 several of the tile kernel's 32-key P.V tiles
+    ctx_lens = [1, 17, 100, 300, 47]
+    kc, vc, scales, bt = scattered_kv_cache(ctx_lens, 2, d, torch.bfloat16, seed=group, block_size=block_size,
+                                            num_blocks=64 * 16 // block_size)
+    q = torch.randn(len(ctx_lens), 2 * group, d, generator=torch.Generator().manual_seed(3)).bfloat16()
+    lens = torch.tensor(ctx_lens)
+    assert cpu_attention.amx_decode_ready()
+    tiles = cpu_attention.decode_attention(q, kc, vc, bt, lens, 0.125)
+    with cpu_attention.amx_decode(False):
+        vector = cpu_attention.decode_attention(q, kc, vc, bt, lens, 0.125)
+    want = ref.decode_attention(q.float(), kc, vc, bt, lens, 0.125)
+    torch.testing.assert_close(tiles.float(), want.float(), atol=2e-2, rtol=2e-2)
+    # the same fp32 sums in another order, rounded to bf16 at the end: at most a unit in the last place apart
+    torch.testing.assert_close(tiles.float(), vector.float(), atol=1e-2, rtol=8e-3)
+    assert not torch.equal(tiles, cpu_attention.decode_attention(q, kc, vc, bt, lens, 0.25))  # it reads its inputs
+
+
 @pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
 @pytest.mark.parametrize("group, d, dtype", [(3, 64, torch.bfloat16), (1, 64, torch.bfloat16), (4, 128, torch.bfloat16),
                                              (3, 64, torch.float32)])

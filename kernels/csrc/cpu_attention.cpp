@@ -319,6 +319,161 @@ static void by_group(const float* q, const KV* kc, const KV* vc, const at::Half*
     default: return decode_kernel_avx512<KV, ND, 0>(q, kc, vc, ks, vs, tables, ctx_lens, out, B, H, KVH, BS, W, stride_blk, scale);
   }
 }
+
+#if defined(__AVX512BF16__) && defined(__AMX_BF16__) && defined(SERVELAB_AMX_TILES)
+#define SERVELAB_AMX_DECODE 1
+// Decode over a bf16 cache on AMX tiles. The vector kernel above spends about 37 cycles a key per
+// KV head on pair products and horizontal sums, which made it compute-bound below the read
+// bandwidth (13 GB/s of cold KV against a 31 GB/s probe on a 2-core Xeon); the tiles do the same
+// products in a few instructions a tile. Two passes per (sequence, KV head), so no accumulator is
+// ever rescaled: (1) S^T = K . Q^T, 16 keys a tile, the keys loaded as the cache holds them (tile
+// rows = keys, 32 dims a tile), the G queries as bf16 pairs, scores kept in fp32; then the exact
+// softmax over the whole context (probabilities rounded to bf16, as the vector kernel's P.V is);
+// (2) O = P . V, 32 keys a tile, value rows interleaved two by two into the tiles' pair layout
+// (value_pairs: d in unpack order, undone by store_unpacked), 64 dims at a time in four
+// accumulator tiles. Block sizes a multiple of 16, head_dim of 64, up to 16 query heads a KV head.
+static bool amx_decode_on = true;
+
+bool amx_decode_fits(int64_t G, int64_t BS, int64_t D) {
+  return amx_decode_on && G <= 16 && BS % 16 == 0 && D % 64 == 0 && amx::permitted();
+}
+
+static void configure_decode_tiles(int64_t G) {
+  amx::TileConfig c;
+  for (int t = 0; t < 8; ++t) {
+    c.rows[t] = (t < 4 || t == 7) ? static_cast<uint8_t>(G) : 16;  // 0-3: O [G][16 d]; 7: P [G][32 keys]
+    c.colsb[t] = 64;                                                 // 4: S^T [16 keys][16 q]; 5: K; 6: Q^T / V
+  }
+  _tile_loadconfig(&c);
+}
+
+static void decode_kernel_amx(const float* q, const at::BFloat16* kc, const at::BFloat16* vc, const int64_t* tables,
+                              const int64_t* ctx_lens, float* out, int64_t B, int64_t H, int64_t KVH, int64_t BS,
+                              int64_t D, int64_t W, int64_t stride_blk, float scale) {
+  const int64_t G = H / KVH, NS = D / 32;
+  int64_t max_ctx = 0;
+  for (int64_t b = 0; b < B; ++b) max_ctx = std::max(max_ctx, ctx_lens[b]);
+  const int64_t cap = (max_ctx + 31) / 32 * 32;  // a row of scores / probabilities, padded to a P tile
+  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+    configure_decode_tiles(G);
+    std::vector<float> scores(G * cap);
+    std::vector<uint16_t> probs(G * cap);
+    std::vector<uint16_t> qt(NS * 16 * 32);                 // Q^T: per 32 dims, 16 rows of (q, d pair)
+    alignas(64) float st[16 * 16];                           // one S^T tile
+    alignas(64) uint16_t vp[4][16 * 32];                     // 32 value rows in pair layout, 64 dims
+    alignas(64) float o[4][16 * 16];                         // the O tiles at the end
+    const __m512i cols = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(16));
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / KVH, h = task % KVH, ctx = ctx_lens[b], padded = (ctx + 31) / 32 * 32;
+      if (ctx == 0) {
+        for (int64_t g = 0; g < G; ++g) std::fill(out + (b * H + h * G + g) * D, out + (b * H + h * G + g + 1) * D, 0.f);
+        continue;
+      }
+      std::fill(qt.begin(), qt.end(), 0);
+      for (int64_t g = 0; g < G; ++g) {  // bf16 queries (exact for a bf16 model); the scale goes on the scores
+        const float* qrow = q + (b * H + h * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) {
+          const at::BFloat16 x(qrow[d]);
+          qt[(d / 32) * 512 + ((d % 32) / 2) * 32 + g * 2 + d % 2] = x.x;
+        }
+      }
+      const int64_t* table = tables + b * W;
+      // pass 1: scores
+      for (int64_t start = 0; start < ctx; start += BS) {
+        const at::BFloat16* kb = kc + table[start / BS] * stride_blk + h * BS * D;
+        if (start + 2 * BS < ctx) {  // blocks are scattered: fetch the one after next while this one computes
+          const char* next = reinterpret_cast<const char*>(kc + table[start / BS + 2] * stride_blk + h * BS * D);
+          for (int64_t off = 0; off < BS * D * 2; off += 64) _mm_prefetch(next + off, _MM_HINT_T0);
+        }
+        for (int64_t t0 = 0; t0 < BS && start + t0 < ctx; t0 += 16) {
+          _tile_zero(4);
+          for (int64_t s = 0; s < NS; ++s) {
+            _tile_loadd(5, kb + t0 * D + s * 32, D * 2);
+            _tile_loadd(6, qt.data() + s * 512, 64);
+            _tile_dpbf16ps(4, 5, 6);
+          }
+          _tile_stored(4, st, 64);
+          const int n = static_cast<int>(std::min<int64_t>(16, ctx - start - t0));
+          const __mmask16 live = static_cast<__mmask16>((1u << n) - 1);
+          for (int64_t g = 0; g < G; ++g)  // column g of S^T: query head g's scores of these keys
+            _mm512_mask_storeu_ps(scores.data() + g * cap + start + t0, live,
+                                  _mm512_mul_ps(_mm512_i32gather_ps(cols, st + g, 4), _mm512_set1_ps(scale)));
+        }
+      }
+      // the softmax, exact over the context
+      float inv[16];
+      for (int64_t g = 0; g < G; ++g) {
+        float* sg = scores.data() + g * cap;
+        __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+        for (int64_t t = 0; t < ctx; t += 16) {
+          const __mmask16 live = static_cast<__mmask16>(ctx - t >= 16 ? 0xFFFF : (1u << (ctx - t)) - 1);
+          vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(vmax, live, sg + t));
+        }
+        const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+        __m512 sum = _mm512_setzero_ps();
+        uint16_t* pg = probs.data() + g * cap;
+        for (int64_t t = 0; t < padded; t += 16) {
+          const int64_t left = ctx - t;
+          const __mmask16 live = static_cast<__mmask16>(left >= 16 ? 0xFFFF : left <= 0 ? 0 : (1u << left) - 1);
+          const __m512 p = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sg + t), mx)));
+          sum = _mm512_add_ps(sum, p);
+          _mm256_storeu_si256((__m256i*)(pg + t), (__m256i)_mm512_cvtneps_pbh(p));
+        }
+        const float l = _mm512_reduce_add_ps(sum);
+        inv[g] = l > 0.f ? 1.f / l : 0.f;
+      }
+      // pass 2: P . V, 64 dims at a time
+      for (int64_t d0 = 0; d0 < D; d0 += 64) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t t0 = 0; t0 < ctx; t0 += 32) {
+          for (int64_t r = 0; r < 16; ++r) {  // keys t0 + 2r, t0 + 2r + 1 (never across a block: BS is even)
+            const int64_t t = t0 + 2 * r;
+            if (t + 65 < ctx) {  // the rows two tiles on, while this one computes
+              const char* ahead = reinterpret_cast<const char*>(vc + table[(t + 64) / BS] * stride_blk + h * BS * D +
+                                                                ((t + 64) % BS) * D + d0);
+              _mm_prefetch(ahead, _MM_HINT_T0);
+              _mm_prefetch(ahead + 64, _MM_HINT_T0);
+              _mm_prefetch(ahead + D * 2, _MM_HINT_T0);
+              _mm_prefetch(ahead + D * 2 + 64, _MM_HINT_T0);
+            }
+            __m512i pair[4];
+            if (t < ctx) {
+              const at::BFloat16* row = vc + table[t / BS] * stride_blk + h * BS * D + (t % BS) * D + d0;
+              value_pairs<2>(row, t + 1 < ctx ? row + D : nullptr, pair);
+            } else {
+              for (auto& p : pair) p = _mm512_setzero_si512();
+            }
+            for (int c = 0; c < 4; ++c) _mm512_store_si512(vp[c] + r * 32, pair[c]);
+          }
+          _tile_loadd(7, probs.data() + t0, cap * 2);
+          _tile_loadd(6, vp[0], 64);
+          _tile_dpbf16ps(0, 7, 6);
+          _tile_loadd(6, vp[1], 64);
+          _tile_dpbf16ps(1, 7, 6);
+          _tile_loadd(6, vp[2], 64);
+          _tile_dpbf16ps(2, 7, 6);
+          _tile_loadd(6, vp[3], 64);
+          _tile_dpbf16ps(3, 7, 6);
+        }
+        _tile_stored(0, o[0], 64);
+        _tile_stored(1, o[1], 64);
+        _tile_stored(2, o[2], 64);
+        _tile_stored(3, o[3], 64);
+        for (int64_t g = 0; g < G; ++g) {
+          const __m512 acc[4] = {_mm512_load_ps(o[0] + g * 16), _mm512_load_ps(o[1] + g * 16),
+                                 _mm512_load_ps(o[2] + g * 16), _mm512_load_ps(o[3] + g * 16)};
+          store_unpacked<2>(out + (b * H + h * G + g) * D + d0, acc, _mm512_set1_ps(inv[g]));
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
 #endif
 
 template <typename KV>
@@ -350,6 +505,14 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   const at::Half* vs = v_scale.has_value() ? v_scale->data_ptr<at::Half>() : nullptr;
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV cache must be contiguous");
   const int64_t stride = k_cache.stride(0);
+#if defined(SERVELAB_AMX_DECODE)
+  if (k_cache.scalar_type() == torch::kBFloat16 && !ks && amx_decode_fits(H / KVH, BS, D)) {
+    decode_kernel_amx(qf.data_ptr<float>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
+                      tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<float>(), B, H, KVH, BS, D, W,
+                      stride, scale);
+    return out.to(q.scalar_type());
+  }
+#endif
   if (k_cache.scalar_type() == torch::kBFloat16) {
     dispatch(qf.data_ptr<float>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(), ks, vs,
                   tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<float>(), B, H, KVH, BS, D, W,
@@ -366,6 +529,27 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
     TORCH_CHECK(false, "unsupported KV cache dtype");
   }
   return out.to(q.scalar_type());
+}
+
+// Whether bf16 decode takes the AMX kernel (where it fits); set_amx_decode(false) keeps the vector
+// kernel (A/B runs, tests). Returns the setting before.
+bool set_amx_decode(bool on) {
+#if defined(SERVELAB_AMX_DECODE)
+  const bool before = amx_decode_on;
+  amx_decode_on = on;
+  return before;
+#else
+  (void)on;
+  return false;
+#endif
+}
+
+bool amx_decode_ready() {
+#if defined(SERVELAB_AMX_DECODE)
+  return amx::permitted();
+#else
+  return false;
+#endif
 }
 
 // New tokens' K and V [T, KVH, D] into a bf16 / fp32 cache [blocks, KVH, BS, D] at their flat

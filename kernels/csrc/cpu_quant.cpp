@@ -16,10 +16,8 @@
 #define SERVELAB_SIMD 1
 #endif
 
-#if defined(SERVELAB_VNNI) && defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
-// AMX tiles (Sapphire Rapids and later): the INT8 GEMM below, for any number of rows
-#include <sys/syscall.h>
-#include <unistd.h>
+#if defined(SERVELAB_VNNI) && defined(__AVX512BF16__) && defined(SERVELAB_AMX_TILES) && defined(__AMX_INT8__)
+// AMX tiles (Sapphire Rapids and later, csrc/cpu_amx.cpp): the INT8 GEMM below, for any number of rows
 #define SERVELAB_AMX 1
 #endif
 
@@ -528,29 +526,12 @@ torch::Tensor q8_gemm(const torch::Tensor& x, const torch::Tensor& w, const torc
 // activations, a few rows shared by every weight block, are laid out as the tiles want them
 // (per 16 rows, K/4 rows of 16 groups of 4 consecutive inputs).
 #ifdef SERVELAB_AMX
-namespace amx {
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Linux hands out the tile state only on request (once per process; oneDNN asks the same way).
-bool permitted() {
-  static const bool ok = [] {
-    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
-    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-  }();
-  return ok;
-}
+namespace q8amx {  // the shared tile helpers are ::amx (csrc/cpu_amx.cpp)
 
 // tiles 0-3: int32 sums [16 weight rows][16 x rows] (hi and lo, two weight blocks); 4-5: weight
 // rows (16 x 64 INT8); 6-7: the activations' hi and lo parts (16 rows of 16 x 4 INT8)
 void configure() {
-  TileConfig c;
+  ::amx::TileConfig c;
   for (int t = 0; t < 8; ++t) {
     c.rows[t] = 16;
     c.colsb[t] = 64;
@@ -609,7 +590,7 @@ inline void write_tile(const int32_t* hi, const int32_t* lo, const float* dx, co
   }
 }
 
-}  // namespace amx
+}  // namespace q8amx
 
 template <typename T>
 torch::Tensor q8_gemm_amx_impl(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales) {
@@ -620,7 +601,7 @@ torch::Tensor q8_gemm_amx_impl(const torch::Tensor& x, const torch::Tensor& w, c
   // (a parallel region costs more than a few rows take to pack)
   const T* xp = x.data_ptr<T>();
   at::parallel_for(0, M, 64, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) amx::pack_row(xp + m * K, K, dx[m], xhi.data(), xlo.data(), m, KQ);
+    for (int64_t m = m0; m < m1; ++m) q8amx::pack_row(xp + m * K, K, dx[m], xhi.data(), xlo.data(), m, KQ);
   });
   const auto s = scales.to(torch::kFloat32).contiguous();
   const float* sp = s.data_ptr<float>();
@@ -629,7 +610,7 @@ torch::Tensor q8_gemm_amx_impl(const torch::Tensor& x, const torch::Tensor& w, c
   T* yp = y.data_ptr<T>();
   const int64_t NB = (N + 31) / 32;  // blocks of 32 weight rows (the last may be 16)
   at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
-    amx::configure();
+    q8amx::configure();
     alignas(64) int32_t c[4][256];
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * 32;
@@ -660,8 +641,8 @@ torch::Tensor q8_gemm_amx_impl(const torch::Tensor& x, const torch::Tensor& w, c
         _tile_stored(2, c[2], 64);
         _tile_stored(3, c[3], 64);
         const int64_t m0 = mt * 16, m_valid = std::min<int64_t>(16, M - m0);
-        amx::write_tile<T>(c[0], c[1], dx.data() + m0, sp + n0, yp + m0 * N + n0, N, m_valid);
-        if (two_n) amx::write_tile<T>(c[2], c[3], dx.data() + m0, sp + n0 + 16, yp + m0 * N + n0 + 16, N, m_valid);
+        q8amx::write_tile<T>(c[0], c[1], dx.data() + m0, sp + n0, yp + m0 * N + n0, N, m_valid);
+        if (two_n) q8amx::write_tile<T>(c[2], c[3], dx.data() + m0, sp + n0 + 16, yp + m0 * N + n0 + 16, N, m_valid);
       }
     }
     _tile_release();
@@ -673,7 +654,7 @@ torch::Tensor q8_gemm_amx(const torch::Tensor& x, const torch::Tensor& w, const 
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && x.size(1) % 64 == 0 && w.size(0) % 16 == 0,
               "q8_gemm_amx: x [M, K], w [N, K], K a multiple of 64, N of 16");
   TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kChar, "q8_gemm_amx: w int8, contiguous");
-  TORCH_CHECK(amx::permitted(), "q8_gemm_amx: Linux did not grant this process the AMX tile state");
+  TORCH_CHECK(::amx::permitted(), "q8_gemm_amx: Linux did not grant this process the AMX tile state");
   if (x.scalar_type() == torch::kFloat32) return q8_gemm_amx_impl<float>(x.contiguous(), w, scales);
   return q8_gemm_amx_impl<at::BFloat16>(x.to(torch::kBFloat16).contiguous(), w, scales).to(x.scalar_type());
 }
@@ -681,7 +662,7 @@ torch::Tensor q8_gemm_amx(const torch::Tensor& x, const torch::Tensor& w, const 
 
 bool amx_ready() {
 #ifdef SERVELAB_AMX
-  return amx::permitted();
+  return ::amx::permitted();
 #else
   return false;
 #endif
