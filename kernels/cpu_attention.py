@@ -36,7 +36,7 @@ def load(portable: bool = False):
     `portable`: without the AVX-512 code, as machines without it build it (for tests)."""
     return build("cpu_attention", portable, parts=("cpu_prefill",), prelude=("cpu_amx",),
                  functions=["paged_decode", "write_kv", "write_and_decode", "paged_prefill", "prefill_fast",
-                            "set_amx_decode", "amx_decode_ready"])
+                            "set_amx_decode", "amx_decode_ready", "read_blocks"])
 
 
 def write_kv(k, v, k_cache, v_cache, slot_mapping, portable=False) -> None:
@@ -64,6 +64,13 @@ def amx_decode(on: bool):
         yield
     finally:
         module.set_amx_decode(before)
+
+
+def read_blocks(k_cache, v_cache, block_tables, context_lens) -> int:
+    """The bytes decode attention reads (every K and V row of each sequence's context, through its
+    block table, on the same threads in the same order) and nothing else: the floor the
+    micro-benchmark sets the kernels against. Returns their 64-bit words' sum modulo 2^64 (a checksum)."""
+    return int(load().read_blocks(k_cache, v_cache, block_tables, context_lens)) % 2**64
 
 
 def write_and_decode_op() -> str:

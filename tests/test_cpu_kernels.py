@@ -92,6 +92,20 @@ def test_an_unknown_attention_prefill_is_refused_when_the_config_is_read():
         get_registry().config("attention", {"name": "auto", "prefill": "flash"})
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8, torch.float32])
+def test_the_read_floor_reads_exactly_the_contexts_rows(dtype):
+    kc, vc, _, bt = scattered_kv_cache([1, 17, 100, 5, 47], 2, 64, dtype, seed=4)
+    ctx_lens = [1, 17, 100, 0, 47]  # an empty row reads nothing
+    words = 0
+    for seq, ctx in enumerate(ctx_lens):  # its twin: the same rows gathered, their 64-bit words summed exactly
+        for cache in (kc, vc):
+            rows = cache[bt[seq]].transpose(1, 2).reshape(-1, cache.shape[1], cache.shape[3])[:ctx]
+            halves = rows.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF  # little-endian words
+            words += int(halves[..., 0::2].sum()) + (int(halves[..., 1::2].sum()) << 32)
+    assert cpu_attention.read_blocks(kc, vc, bt, torch.tensor(ctx_lens)) == words % 2**64
+    assert cpu_attention.read_blocks(kc, vc, bt, torch.tensor([1, 17, 99, 0, 47])) != words  # one row fewer
+
+
 def test_shared_blocks_and_an_empty_row():
     kc, vc, _, bt = scattered_kv_cache([40], 1, 64, torch.float32, seed=5)
     bt = torch.cat([bt, bt, bt])  # three sequences over the same blocks (a shared prefix)

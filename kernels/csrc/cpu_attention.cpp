@@ -552,6 +552,51 @@ bool amx_decode_ready() {
 #endif
 }
 
+// The decode kernel's reads without its arithmetic, for the micro-benchmark's floor: every row of
+// K and V a sequence's context covers, per (sequence, KV head) task through its block table, in the
+// same order and on the same threads, summed as 64-bit words modulo 2^64 (a checksum the caller
+// can verify, so nothing is optimized away; four sums so the adds never wait on each other). Any
+// dtype whose rows are whole 32-byte multiples.
+uint64_t sum_words(const uint64_t* p, int64_t n) {
+  uint64_t a = 0, b = 0, c = 0, d = 0;
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) a += p[i], b += p[i + 1], c += p[i + 2], d += p[i + 3];
+  for (; i < n; ++i) a += p[i];
+  return a + b + c + d;
+}
+
+int64_t read_blocks(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
+                    torch::Tensor context_lens) {
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
+              "read_blocks: two contiguous caches of one shape");
+  const int64_t esize = k_cache.element_size(), KVH = k_cache.size(1), BS = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) * esize % 32 == 0, "read_blocks: rows of whole 32-byte multiples");
+  const int64_t row_words = k_cache.size(3) * esize / 8, blk_words = k_cache.stride(0) * esize / 8;
+  auto tables = block_tables.to(torch::kInt64).contiguous();
+  auto lens = context_lens.to(torch::kInt64).contiguous();
+  const int64_t B = tables.size(0), W = tables.size(1);
+  const uint64_t* kw = static_cast<const uint64_t*>(k_cache.data_ptr());
+  const uint64_t* vw = static_cast<const uint64_t*>(v_cache.data_ptr());
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  std::vector<uint64_t> sums(B * KVH, 0);
+  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / KVH, h = task % KVH, ctx = lp[b];
+      uint64_t acc = 0;
+      for (int64_t start = 0; start < ctx; start += BS) {
+        const int64_t off = tp[b * W + start / BS] * blk_words + h * BS * row_words;
+        const int64_t n = std::min(BS, ctx - start) * row_words;
+        acc += sum_words(kw + off, n) + sum_words(vw + off, n);
+      }
+      sums[task] = acc;
+    }
+  });
+  uint64_t total = 0;
+  for (uint64_t x : sums) total += x;
+  return static_cast<int64_t>(total);
+}
+
 // New tokens' K and V [T, KVH, D] into a bf16 / fp32 cache [blocks, KVH, BS, D] at their flat
 // slots (block * BS + offset): the twin of kernels.attention.write_kv, one call for both.
 void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
