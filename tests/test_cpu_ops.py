@@ -71,6 +71,34 @@ def test_silu_mul_matches_the_reference(rows, dtype):
                       0.99 if dtype == torch.bfloat16 else 0.3)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_argmax_is_the_first_maximum_of_each_row(dtype):
+    logits = _randn(70, 2 * 49152, dtype=dtype, scale=4.0)[:, 3:49155]  # strided rows, as a view may be
+    logits[1, 7] = logits[1, 9000] = 50.0  # a tie: the first
+    logits[2] = float("-inf")  # every token masked: index 0
+    logits[3, 100] = float("nan")  # NaN counts as the largest, as in torch's max
+    logits[3, 2000] = 60.0
+    logits[4, -1] = 70.0  # the last column
+    logits[5, 10], logits[5, 30000] = 80.0, float("nan")  # a NaN after the largest number
+    logits[6, 300] = logits[6, 400] = 90.0  # a tie inside one of the kernel's chunks of 256
+    got = cpu_ops.argmax(logits)
+    want = logits.max(dim=-1).indices
+    assert got.dtype == torch.int64
+    assert torch.equal(got, want), (got != want).nonzero()
+    assert got[:7].tolist() == [int(want[0]), 7, 0, 100, 49151, 30000, 300]
+
+
+def test_greedy_sampling_takes_the_cpp_argmax(monkeypatch):
+    from plugins.decoders import sampling
+
+    logits = _randn(3, 1000, dtype=torch.bfloat16, scale=4.0)
+    calls = []
+    real = cpu_ops.argmax
+    monkeypatch.setattr(cpu_ops, "argmax", lambda x: calls.append(x.shape) or real(x))
+    assert torch.equal(sampling.greedy_tokens(logits), logits.max(dim=-1).indices)
+    assert calls == [(3, 1000)]
+
+
 def test_the_model_ops_dispatch_here_and_not_under_autograd(monkeypatch):
     calls = []
     for name in ("rms_norm", "rotary", "silu_mul"):

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -128,6 +129,47 @@ void silu_mul_rows(const T* gate, int64_t g_stride, const T* up, int64_t u_strid
   });
 }
 
+// Each row's first maximum (NaN counts as the largest, as torch's max does), in one pass: a vector
+// max a chunk of 256, keeping the first chunk that raised the row's maximum (or held its first NaN),
+// then the first element in that chunk equal to it. Rows in parallel; a 49,152-wide bf16 row is 96 KB.
+template <typename T>
+void argmax_rows(const T* x, int64_t stride, int64_t* out, int64_t rows, int64_t n) {
+  constexpr int64_t CHUNK = 256;
+  at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const T* r = x + i * stride;
+      float m = -std::numeric_limits<float>::infinity();
+      int64_t best = 0;
+      bool nan = false;
+      for (int64_t c0 = 0; c0 < n; c0 += CHUNK) {
+        const int64_t c1 = std::min(n, c0 + CHUNK);
+        float cm = -std::numeric_limits<float>::infinity();
+        int cn = 0;
+#pragma omp simd reduction(max : cm) reduction(| : cn)
+        for (int64_t j = c0; j < c1; ++j) {
+          const float v = load_f(r, j);
+          cm = std::max(cm, v);
+          cn |= v != v;
+        }
+        if (cn) {
+          best = c0, nan = true;
+          break;
+        }
+        if (cm > m) m = cm, best = c0;
+      }
+      int64_t at = best;
+      for (int64_t j = best, last = std::min(n, best + CHUNK); j < last; ++j) {
+        const float v = load_f(r, j);
+        if (nan ? v != v : v == m) {
+          at = j;
+          break;
+        }
+      }
+      out[i] = at;
+    }
+  });
+}
+
 template <typename F>
 void by_dtype(at::ScalarType dtype, F&& f) {  // bf16 or fp32, as check_rows allows
   if (dtype == at::kBFloat16) f(at::BFloat16{});
@@ -199,6 +241,18 @@ torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up) {
     using scalar_t = decltype(tag);
     silu_mul_rows<scalar_t>(gate.data_ptr<scalar_t>(), gate.stride(0), up.data_ptr<scalar_t>(), up.stride(0),
                             out.data_ptr<scalar_t>(), gate.size(0), gate.size(1));
+  });
+  return out;
+}
+
+// The index of each row's maximum [rows, n] -> [rows] int64 (the first, on a tie): greedy sampling.
+torch::Tensor argmax(torch::Tensor x) {
+  check_rows(x, "x");
+  TORCH_CHECK(x.size(1) > 0, "argmax of an empty row");
+  auto out = torch::empty({x.size(0)}, x.options().dtype(torch::kInt64));
+  by_dtype(x.scalar_type(), [&](auto tag) {
+    using scalar_t = decltype(tag);
+    argmax_rows<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), out.data_ptr<int64_t>(), x.size(0), x.size(1));
   });
   return out;
 }

@@ -7,6 +7,8 @@ import weakref
 import torch
 
 from core.api import DecoderConfig, DecoderOutput, ScheduledSeq, Sequence, hookimpl
+from kernels import cpu_ops
+from kernels.cpu_ops import use_cpu_ops
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -33,7 +35,9 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """Each row's most likely token (the first on a tie), in the logits' own dtype: upcasting bf16
     changes no value and no order, so it would only cost a copy of the vocabulary rows."""
     # max(dim).indices gives argmax's answer at 2-5x its speed on the CPU (64 x 49,152 logits on a
-    # 2-core Xeon: bf16 1.1 ms against 5.1, fp32 0.9 against 2.1)
+    # 2-core Xeon: bf16 1.1 ms against 5.1, fp32 0.9 against 2.1); the C++ rows faster still
+    if logits.dim() == 2 and use_cpu_ops(logits):
+        return cpu_ops.argmax(logits)
     return logits.max(dim=-1).indices
 
 
