@@ -18,8 +18,11 @@ Writes reports/vs-llama-cpp/report.{md,json}; each load run keeps its full bench
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
+import platform
+import re
 import socket
 import statistics
 import subprocess
@@ -27,7 +30,13 @@ import sys
 import time
 from pathlib import Path
 
-DEFAULT_BIN = Path.home() / ".cache" / "servelab" / "llama.cpp" / "build" / "bin"
+
+def default_bin() -> Path:
+    """Where benchmarks/llama_cpp_build.sh puts this CPU's build: a folder named by the first 10 hex
+    digits of the SHA-1 of /proc/cpuinfo's first flags line (a native build is only good on its CPU)."""
+    line = next((raw for raw in Path("/proc/cpuinfo").read_text().splitlines(keepends=True)
+                 if re.match(r"(flags|Features)", raw)), platform.machine() + "\n")
+    return Path.home() / ".cache" / "servelab" / "llama.cpp" / f"build-{hashlib.sha1(line.encode()).hexdigest()[:10]}" / "bin"
 
 
 def _port() -> int:
@@ -111,7 +120,8 @@ def main(argv=None) -> int:
     from core.model.default_model import default_model_path
 
     ap = argparse.ArgumentParser(prog="python -m benchmarks.vs_llama_cpp")
-    ap.add_argument("--bin", type=Path, default=DEFAULT_BIN, help="directory with llama-bench and llama-server")
+    ap.add_argument("--bin", type=Path, default=None,
+                    help="directory with llama-bench and llama-server (default: this CPU's build by the script)")
     ap.add_argument("--out", type=Path, default=Path("reports/vs-llama-cpp"))
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--streams", type=int, default=8)
@@ -120,6 +130,7 @@ def main(argv=None) -> int:
     ap.add_argument("--output", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args(argv)
+    args.bin = args.bin or default_bin()
     if not (args.bin / "llama-bench").exists():
         print(f"no llama.cpp build in {args.bin}: run `bash benchmarks/llama_cpp_build.sh` first", file=sys.stderr)
         return 2
