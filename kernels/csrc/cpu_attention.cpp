@@ -331,7 +331,8 @@ static void by_group(const float* q, const KV* kc, const KV* vc, const at::Half*
 // softmax over the whole context (probabilities rounded to bf16, as the vector kernel's P.V is);
 // (2) O = P . V, 32 keys a tile, value rows interleaved two by two into the tiles' pair layout
 // (value_pairs: d in unpack order, undone by store_unpacked), 64 dims at a time in four
-// accumulator tiles. Block sizes a multiple of 16, head_dim of 64, up to 16 query heads a KV head.
+// accumulator tiles. Block sizes a multiple of 16, head_dim a multiple of 64, up to 16 query heads a
+// KV head (amx_decode_fits).
 static bool amx_decode_on = true;
 
 bool amx_decode_fits(int64_t G, int64_t BS, int64_t D) {
