@@ -298,16 +298,24 @@ def test_degradation_switch_turns_on_under_overload_and_off_again(start_server):
                         'server.models={backup:["quant=int8"]}', "server.fallback=backup")
     assert [m["id"] for m in httpx.get(f"{base}/v1/models").json()["data"]] == [MODEL, "backup"]
 
-    def long_request(_):
-        return httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 60,
-                                                          "ignore_eos": True}, timeout=120)
-
-    with cf.ThreadPoolExecutor(10) as pool:
-        futures = [pool.submit(long_request, i) for i in range(10)]
+    # The overload is held open by the test, not raced against: 30 long requests on raw sockets
+    # that are never read stay queued until their sockets close (the server aborts a request
+    # whose client is gone), however slow the machine.
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 200, "ignore_eos": True}).encode()
+    host, port = base.removeprefix("http://").split(":")
+    held = []
+    try:
+        for _ in range(30):
+            s = socket.create_connection((host, int(port)))
+            held.append(s)
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n%s" % (host.encode(), len(body), body))
         wait_until(lambda: _metric(base, "servelab:degraded", model_name=MODEL) == 1.0, what="degradation on")
         limited = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "x" * 20, "max_tokens": 1})
         routed = httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}, timeout=60)
-        [f.result() for f in futures]
+    finally:
+        for s in held:
+            s.close()
     assert limited.status_code == 400 and "lowered while the server is overloaded" in limited.text
     assert routed.status_code == 200 and routed.json()["model"] == "backup"  # the quantized fallback
     assert _metric(base, "servelab:requests_routed_to_fallback_total", model_name=MODEL) >= 1
@@ -374,3 +382,41 @@ def test_request_timeout_aborts_and_answers_504(start_server):
     assert r.status_code == 504 and r.json()["error"]["type"] == "timeout_error"
     wait_until(lambda: _metric(base, "servelab:kv_cache_free_blocks") == total, what="the blocks back")
     assert 'reason="timeout"' in httpx.get(f"{base}/metrics").text
+
+
+def test_a_gone_client_is_noticed_while_its_request_streams_outputs():
+    """A running request puts an output on its queue every step, so no wait for one ever times out;
+    the gone client must still be noticed (and the request aborted) within half a second."""
+    import asyncio
+
+    from core.engine.types import SamplingParams
+    from core.server.handler import Call, Server
+
+    server = Server.__new__(Server)  # _next needs no engines: a constructed call and queue
+
+    async def drive(gone_after: int) -> tuple[int, int]:
+        queue: asyncio.Queue = asyncio.Queue()
+        for i in range(1000):
+            queue.put_nowait((0, f"output {i}"))
+        call = Call(False, SamplingParams(), None, MODEL, ["r"], queue, "cmpl-x", 0, time.monotonic() + 60)
+        looks = 0
+
+        async def is_disconnected():
+            nonlocal looks
+            looks += 1
+            return looks > gone_after
+
+        taken = 0
+        try:
+            while True:
+                await server._next(call, is_disconnected)
+                taken += 1
+                if taken == 200:
+                    call.next_disconnect_check = 0.0  # as if half a second had passed
+        except asyncio.CancelledError:
+            return taken, looks
+
+    # the first look finds the client there; outputs flow without a look per output (200 taken
+    # on one look); the next look, due, finds it gone
+    assert asyncio.run(drive(gone_after=1)) == (200, 2)
+    assert asyncio.run(drive(gone_after=0)) == (0, 1)  # gone before any output

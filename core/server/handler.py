@@ -36,6 +36,7 @@ class Call:
     id: str
     created: int
     deadline: float
+    next_disconnect_check: float = 0.0  # monotonic time of the next look for a gone client
 
 
 class Server:
@@ -149,18 +150,22 @@ class Server:
                     int(time.time()), time.monotonic() + self.cfg.request_timeout_s)
 
     async def _next(self, call: Call, is_disconnected: Callable[[], Awaitable[bool]] | None) -> tuple[int, RequestOutput]:
-        """The next output of any of the call's engine requests. Times out at the call's deadline;
-        while waiting, a gone client (non-streamed calls) is noticed every half second."""
+        """The next output of any of the call's engine requests. Times out at the call's deadline.
+        A gone client (non-streamed calls) is noticed within half a second, whether the request is
+        queued (no outputs) or running (an output every step, so no wait ever times out)."""
         while True:
-            left = call.deadline - time.monotonic()
+            now = time.monotonic()
+            left = call.deadline - now
             if left <= 0:
                 self.metrics.reject(call.model, "timeout")
                 raise TimeoutError
+            if is_disconnected is not None and now >= call.next_disconnect_check:
+                call.next_disconnect_check = now + 0.5
+                if await is_disconnected():
+                    raise asyncio.CancelledError
             try:
                 tag, out = await asyncio.wait_for(call.queue.get(), min(left, 0.5) if is_disconnected else left)
             except TimeoutError:
-                if is_disconnected is not None and await is_disconnected():
-                    raise asyncio.CancelledError from None
                 continue
             if out is None:
                 raise OpenAIError(500, "the engine stopped", "server_error")
