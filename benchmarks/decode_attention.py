@@ -151,12 +151,13 @@ def case(b: int, ctx: int, dtype, probe: torch.Tensor, span: int) -> list[dict]:
     return rows
 
 
-PREFILL_CASES = [(0, 512), (1024, 512), (0, 2048)]  # (cached prefix, chunk) of one sequence
+PREFILL_CASES = [(0, 512), (800, 224), (1024, 512), (0, 2048)]  # (cached prefix, chunk) of one sequence
 
 
 def prefill_case(prefix: int, chunk: int) -> str:
-    """The C++ paged prefill against the reference's padded SDPA call (PyTorch's CPU flash
-    attention), one bf16 chunk over its cached prefix, rounds alternating between the two."""
+    """The C++ paged prefill (its AMX tile kernel where the CPU has the tiles, and its vector kernel)
+    against the reference's padded SDPA call (PyTorch's CPU flash attention), one bf16 chunk over its
+    cached prefix, rounds alternating between them."""
     bs, ctx = 16, prefix + chunk
     nb = -(-ctx // bs)
     g = torch.Generator().manual_seed(0)
@@ -166,13 +167,34 @@ def prefill_case(prefix: int, chunk: int) -> str:
     groups = ref.plan_prefill(tables, [0, chunk], [ctx], bs)
     sdpa = lambda: ref.prefill_attention(q, kc, vc, tables, lens, starts, 0.125, groups=groups)  # noqa: E731
     cpp = lambda: cpu_attention.prefill_attention(q, kc, vc, tables, lens, starts, 0.125)  # noqa: E731
-    sdpa(), cpp()
-    times = [(median_seconds(sdpa, CALLS), median_seconds(cpp, CALLS)) for _ in range(ROUNDS)]
-    t_sdpa, t_cpp = (statistics.median(t[i] for t in times) for i in (0, 1))
+
+    def vector():
+        with cpu_attention.amx_prefill(False):
+            return cpp()
+
+    tiles = cpu_attention.prefill_on_tiles(kc)
+    sdpa(), cpp(), vector()
+    times = [(median_seconds(sdpa, CALLS), median_seconds(cpp, CALLS),
+              median_seconds(vector, CALLS) if tiles else float("nan")) for _ in range(ROUNDS)]
+    t_sdpa, t_cpp, t_vec = (statistics.median(t[i] for t in times) for i in (0, 1, 2))
     flops = 4 * 9 * 64 * (chunk * prefix + chunk * (chunk + 1) / 2)
-    ratios = sorted(a / b for a, b in times)
-    return (f"| {prefix} | {chunk} | {t_sdpa * 1e3:.2f} | {t_cpp * 1e3:.2f} | {flops / t_cpp / 1e9:.0f} | "
-            f"{t_sdpa / t_cpp:.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f}) |")
+    ratios = sorted(t[0] / t[1] for t in times)
+    vec = f"{t_vec * 1e3:.2f}" if tiles else "(the C++ kernel)"
+    return (f"| {prefix} | {chunk} | {t_sdpa * 1e3:.2f} | {'tiles' if tiles else 'vector'} {t_cpp * 1e3:.2f} | {vec} | "
+            f"{flops / t_cpp / 1e9:.0f} | {t_sdpa / t_cpp:.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f}) |")
+
+
+def prefill_section() -> list[str]:
+    rows = []
+    for prefix, chunk in PREFILL_CASES:
+        rows.append(prefill_case(prefix, chunk))
+        print(rows[-1], flush=True)
+    return ["\n## Prefill: the C++ kernel beside PyTorch's CPU flash attention (SDPA), bf16\n",
+            f"Median of {ROUNDS} rounds, each the median of {CALLS} calls of each; the ratio's range is over the "
+            "rounds. The C++ kernel runs on AMX tiles where the CPU has them (`cpu_attention.amx_prefill`), its "
+            "vector kernel beside it.\n",
+            "| cached prefix | chunk | SDPA ms | C++ ms | C++ vector ms | C++ GFLOP/s | SDPA / C++ |",
+            "|---|---|---|---|---|---|---|"] + rows
 
 
 def main(argv=None) -> int:
@@ -180,8 +202,19 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m benchmarks.decode_attention")
     ap.add_argument("--out", default="reports/decode-attention")
+    ap.add_argument("--prefill-only", action="store_true", help="only the prefill table (a minute)")
     args = ap.parse_args(argv)
     rates = machine_rates()
+    out = Path(args.out)
+    if args.prefill_only:
+        lines = [f"# Prefill attention\n\n- machine: {rates['cpu']}, {rates['cores']} cores, torch {rates['torch']}; "
+                 "SmolLM2 geometry (9 heads, 3 KV heads, head_dim 64), blocks of 16 scattered\n"
+                 "- made by `python -m benchmarks.decode_attention --prefill-only`"] + prefill_section()
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "report.md").write_text("\n".join(lines) + "\n")
+        (out / "report.json").write_text(json.dumps({"machine": rates, "prefill": lines[-len(PREFILL_CASES):]}, indent=2))
+        print("\n".join(lines))
+        return 0
     llc = llc_bytes()
     span = max(2 * llc, 256 << 20)
     probe = torch.ones(max(2 * llc, 512 << 20) // 4)
@@ -206,12 +239,9 @@ def main(argv=None) -> int:
             lines.append(f"| {b} x {ctx} {r['kv']} | {r['implementation']} | {r['ms']:.2f} | {r['gbs']:.1f} | "
                          f"{r['probe_gbs']:.1f} | {r['share_of_probe'] * 100:.0f} % | {floor} | {r['resident_gbs']:.1f} |")
         print("\n".join(lines[-len(rows):]), flush=True)
-    prefill = [prefill_case(prefix, chunk) for prefix, chunk in PREFILL_CASES]
-    lines += ["\n## Prefill: the C++ kernel beside PyTorch's CPU flash attention (SDPA), bf16\n",
-              f"Median of {ROUNDS} rounds, each the median of {CALLS} calls of either; the ratio's range is over the rounds.\n",
-              "| cached prefix | chunk | SDPA ms | C++ ms | C++ GFLOP/s | SDPA / C++ |", "|---|---|---|---|---|---|"]
-    lines += prefill
-    out = Path(args.out)
+    section = prefill_section()
+    prefill = section[-len(PREFILL_CASES):]
+    lines += section
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.md").write_text("\n".join(lines) + "\n")
     (out / "report.json").write_text(json.dumps({"machine": rates, "llc_bytes": llc, "cold_span_bytes": span,

@@ -15,8 +15,11 @@ head_dim 64 and AVX512-BF16, a task is a KV head of a tile of 16 queries (their 
 each), handed out longest first; per key tile the keys are transposed once into (d, d+1) pairs,
 a key per lane, so a row's scores are pair products without horizontal sums. Elsewhere one query
 row at a time in plain C++ (callers keep SDPA there: `prefill_fast`). On CPUs with AMX tiles
-PyTorch's CPU flash attention runs its bf16 GEMMs on them (oneDNN's brgemm) and beats this kernel's
-pair products (`sdpa_prefill_wins`).
+a bf16 cache (block size a multiple of 16, head_dim a multiple of 64) goes to a tile kernel
+instead (`amx_prefill`): a task is 16 query rows of a KV head, S^T = K.Q^T on the tiles, the
+exact softmax down the keys a row per lane, then P.V on the tiles against value pairs packed once
+per (sequence, KV head); it beats PyTorch's CPU flash attention, which runs its GEMMs on the tiles
+too (`sdpa_prefill_wins`), by 1.4-2.4x.
 
 The source is csrc/cpu_attention.cpp with csrc/cpu_prefill.cpp, built
 once per machine with torch's cpp_extension (about half a minute, cached under
@@ -35,8 +38,8 @@ def load(portable: bool = False):
     """The compiled module (built on first use, then cached per machine), or None if it cannot build.
     `portable`: without the AVX-512 code, as machines without it build it (for tests)."""
     return build("cpu_attention", portable, parts=("cpu_prefill",), prelude=("cpu_amx",),
-                 functions=["paged_decode", "write_kv", "write_and_decode", "paged_prefill", "prefill_fast",
-                            "set_amx_decode", "amx_decode_ready", "read_blocks"])
+                 functions=["paged_decode", "write_kv", "write_and_decode", "paged_prefill", "prefill_fast", "prefill_on_tiles",
+                            "set_amx_decode", "amx_decode_ready", "set_amx_prefill", "read_blocks"])
 
 
 def write_kv(k, v, k_cache, v_cache, slot_mapping, portable=False) -> None:
@@ -66,6 +69,18 @@ def amx_decode(on: bool):
         module.set_amx_decode(before)
 
 
+@contextmanager
+def amx_prefill(on: bool):
+    """bf16 prefill on the AMX tile kernel (on, the default where ready) or the vector kernel / loop
+    (off) inside the block: for A/B runs and for tests of one against the other."""
+    module = load()
+    before = module.set_amx_prefill(on)
+    try:
+        yield
+    finally:
+        module.set_amx_prefill(before)
+
+
 def read_blocks(k_cache, v_cache, block_tables, context_lens) -> int:
     """The bytes decode attention reads (every K and V row of each sequence's context, through its
     block table, on the same threads in the same order) and nothing else: the floor the
@@ -91,14 +106,21 @@ def prefill_attention(q, k_cache, v_cache, block_tables, context_lens, query_sta
 
 
 def prefill_fast(k_cache) -> bool:
-    """Whether the C++ prefill has its vector path for this cache here (bf16, head_dim 64, AVX512-BF16)."""
+    """Whether the C++ prefill has its tile or vector path for this cache here (bf16: AMX tiles with
+    block size a multiple of 16 and head_dim of 64; else head_dim 64 and AVX512-BF16)."""
     return bool(load().prefill_fast(k_cache))
 
 
-def sdpa_prefill_wins() -> bool:
-    """Whether PyTorch's CPU flash attention (SDPA) outruns the C++ prefill here: on a CPU with AMX
-    tiles, whose bf16 GEMMs it runs on them. Measured on a 2-core AMX Xeon (benchmarks.decode_attention,
-    2026-12-02): SDPA 1.33 / 3.33 / 16.8 ms against the kernel's 2.07 / 9.14 / 29.5 ms for a 512-token
-    chunk, the same after a 1,024-token prefix, and a 2,048-token chunk; on AVX512-BF16 CPUs without
-    AMX the kernel was 1.6-2.7x SDPA."""
-    return has_amx()
+def prefill_on_tiles(k_cache) -> bool:
+    """Whether the C++ prefill runs this cache on AMX tiles here (`amx_prefill`)."""
+    return bool(load().prefill_on_tiles(k_cache))
+
+
+def sdpa_prefill_wins(k_cache) -> bool:
+    """Whether PyTorch's CPU flash attention (SDPA) outruns the C++ prefill for this cache here: on a
+    CPU with AMX tiles, whose bf16 GEMMs it runs on them, unless the C++ prefill runs on them too.
+    Measured on a 2-core AMX Xeon (2026-12-02): SDPA 1.33 / 3.33 / 16.8 ms against the vector
+    kernel's 2.07 / 9.14 / 29.5 ms for a 512-token chunk, the same after a 1,024-token prefix, and a
+    2,048-token chunk; on AVX512-BF16 CPUs without AMX the vector kernel was 1.6-2.7x SDPA. The tile
+    kernel (2026-12-03, same kind): 1.4-2.4x SDPA (benchmarks.prefill_attention)."""
+    return has_amx() and not prefill_on_tiles(k_cache)

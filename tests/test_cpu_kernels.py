@@ -68,6 +68,29 @@ def test_prefill_matches_the_reference(group, d, dtype, portable):
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.amx_bf16
+@pytest.mark.parametrize("group, d, block_size", [(3, 64, 16), (4, 128, 32), (16, 64, 16), (1, 64, 64)])
+def test_amx_prefill_matches_the_reference_and_the_vector_kernel(group, d, block_size):
+    # fresh prompts, chunks over a cached prefix, a 1-query chunk; 77 x 3 rows end mid-task, 300 keys
+    # span several 32-key P tiles, 37 and 18 end mid-tile, and the first row of a task is not its shortest
+    ctx_lens, q_lens = [40, 100, 37, 1, 18, 300], [40, 30, 5, 1, 17, 77]
+    kc, vc, _, bt = scattered_kv_cache(ctx_lens, 2, d, torch.bfloat16, seed=group, block_size=block_size,
+                                       num_blocks=64 * 16 // block_size)
+    starts = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist())
+    q = torch.randn(int(starts[-1]), 2 * group, d, generator=torch.Generator().manual_seed(4)).bfloat16()
+    lens = torch.tensor(ctx_lens)
+    assert cpu_attention.prefill_on_tiles(kc) and cpu_attention.prefill_fast(kc)
+    tiles = cpu_attention.prefill_attention(q, kc, vc, bt, lens, starts, 0.125)
+    with cpu_attention.amx_prefill(False):
+        assert not cpu_attention.prefill_on_tiles(kc)
+        vector = cpu_attention.prefill_attention(q, kc, vc, bt, lens, starts, 0.125)
+    want = ref.prefill_attention(q, kc, vc, bt, lens, starts, 0.125)
+    torch.testing.assert_close(tiles.float(), want.float(), atol=2e-2, rtol=2e-2)
+    # the same bf16 products summed in another order: within a unit in the last place of the output
+    torch.testing.assert_close(tiles.float(), vector.float(), atol=1.6e-2, rtol=8e-3)
+    assert not torch.equal(tiles, cpu_attention.prefill_attention(q, kc, vc, bt, lens, starts, 0.25))
+
+
 def test_the_vector_prefill_serves_smollm2s_bf16_cache():
     kc = torch.zeros(2, 3, 16, 64, dtype=torch.bfloat16)
     assert cpu_attention.prefill_fast(kc) == ("avx512_bf16" in open("/proc/cpuinfo").read())
@@ -81,7 +104,7 @@ def test_attention_prefill_picks_the_kernel_it_names(choice):
     attn = CPUAttention(CPUAttentionConfig(name="cpu", prefill=choice))
     kc = torch.zeros(2, 3, 16, 64, dtype=torch.bfloat16)
     flags = open("/proc/cpuinfo").read()
-    auto = "avx512_bf16" in flags and "amx_bf16" not in flags  # SDPA tiles on AMX and wins there
+    auto = "avx512_bf16" in flags  # with AMX tiles, the C++ kernel's tile path beats SDPA's
     assert attn.cpp_prefill(kc) == {"auto": auto, "cpp": True, "sdpa": False}[choice]
 
 

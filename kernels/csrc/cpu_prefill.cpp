@@ -179,10 +179,213 @@ static void prefill_bf16_d64(const at::BFloat16* q, const at::BFloat16* kc, cons
 }
 #endif
 
-// Whether paged_prefill has a vector path for this cache and head size here (else it is a loop).
+#if defined(SERVELAB_AMX_DECODE) && defined(__AVX512BF16__)
+// bf16 q and cache on AMX tiles: block size a multiple of 16, head_dim a multiple of 64. A task is
+// 16 query rows of one KV head of one chunk (row r = position r / G, query head r % G, each with its
+// own causal end), in two passes like the decode tile kernel: (1) S^T = K . Q^T, 16 keys a tile
+// straight from the cache against the rows' queries packed as bf16 pairs, stored [key][row], so
+// the exact softmax runs down the keys with a row per lane (a row's causal mask is one compare, and
+// none below the first row's end) and no scores are gathered; its probabilities, paired (key,
+// key + 1) a dword per row, are transposed 32 keys at a time into a P tile [row][key]; (2) O = P . V
+// against value rows paired as the tiles read them (value_pairs), packed once per (sequence, KV
+// head) for all of its tasks, zero past the context. Tiles: 0-3 O [16 rows][16 d]; 4 S^T; 5 K;
+// 6 Q^T, then P; 7 V.
+static bool amx_prefill_on = true;
+
+bool amx_prefill_fits(int64_t BS, int64_t D) {
+  return amx_prefill_on && BS % 16 == 0 && D % 64 == 0 && amx::permitted();
+}
+
+static void configure_prefill_tiles() {
+  amx::TileConfig c;
+  for (int t = 0; t < 8; ++t) {
+    c.rows[t] = 16;
+    c.colsb[t] = 64;
+  }
+  _tile_loadconfig(&c);
+}
+
+static void prefill_amx_bf16(const at::BFloat16* q, const at::BFloat16* kc, const at::BFloat16* vc,
+                             const int64_t* tables, const int64_t* ctx_lens, const int64_t* starts, float* out,
+                             int64_t S, int64_t H, int64_t KVH, int64_t BS, int64_t D, int64_t W, int64_t stride_blk,
+                             float scale) {
+  const int64_t G = H / KVH, NS = D / 32, NT = D / 16;  // NT: value tiles of 16 dims
+  // value pairs per (sequence, KV head): per 32 keys, NT tiles of [16 key pairs][16 d x 2]
+  std::vector<int64_t> vp_off(S * KVH + 1, 0), cap(S);
+  for (int64_t s = 0; s < S; ++s) {
+    cap[s] = (ctx_lens[s] + 31) / 32 * 32;
+    for (int64_t h = 0; h < KVH; ++h) vp_off[s * KVH + h + 1] = vp_off[s * KVH + h] + D * cap[s];
+  }
+  std::vector<uint16_t> vpk(vp_off[S * KVH]);
+  at::parallel_for(0, S * KVH, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t s = task / KVH, h = task % KVH, ctx = ctx_lens[s];
+      uint16_t* dst = vpk.data() + vp_off[task];
+      for (int64_t kp = 0; kp < cap[s] / 2; ++kp) {
+        const int64_t t = 2 * kp;
+        for (int64_t dc = 0; dc < D / 64; ++dc) {
+          __m512i pair[4];
+          if (t < ctx) {  // keys t, t + 1 (never across a block: BS is even)
+            const at::BFloat16* row = vc + tables[s * W + t / BS] * stride_blk + (h * BS + t % BS) * D + dc * 64;
+            value_pairs<2>(row, t + 1 < ctx ? row + D : nullptr, pair);
+          } else {
+            for (auto& p : pair) p = _mm512_setzero_si512();
+          }
+          for (int c = 0; c < 4; ++c)
+            _mm512_storeu_si512(dst + ((kp / 16) * NT + dc * 4 + c) * 512 + (kp % 16) * 32, pair[c]);
+        }
+      }
+    }
+  });
+  struct Task { int64_t s, h, r0, cost; };
+  std::vector<Task> tasks;
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t qlen = starts[s + 1] - starts[s], first = ctx_lens[s] - qlen;
+    for (int64_t r0 = 0; r0 < qlen * G; r0 += 16)
+      for (int64_t h = 0; h < KVH; ++h)
+        tasks.push_back({s, h, r0, first + (std::min(qlen * G, r0 + 16) - 1) / G + 1});
+  }
+  // longest first, handed out one by one: the last rows of a chunk see the most keys
+  std::sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
+  int64_t max_cap = 0;
+  for (int64_t s = 0; s < S; ++s) max_cap = std::max(max_cap, cap[s]);
+  std::atomic<int64_t> next{0};
+  const int64_t n_tasks = static_cast<int64_t>(tasks.size());
+  // two rows of 16 bf16 probabilities (keys t, t + 1) into 16 dwords (p[t][r], p[t + 1][r])
+  const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    configure_prefill_tiles();
+    std::vector<uint16_t> qt(NS * 512);
+    std::vector<float> st(max_cap * 16);     // S^T [key][row]
+    std::vector<uint16_t> pt(max_cap * 16);  // P tiles [32 keys a tile][row][32]
+    alignas(64) float o[4][16 * 16];
+    alignas(64) int32_t row_ctx[16];
+    for (int64_t i = next++; i < n_tasks; i = next++) {
+      const Task& tk = tasks[i];
+      const int64_t qlen = starts[tk.s + 1] - starts[tk.s], first = ctx_lens[tk.s] - qlen;
+      const int64_t rows = std::min<int64_t>(16, qlen * G - tk.r0), ctx = tk.cost;
+      std::fill(qt.begin(), qt.end(), 0);
+      for (int64_t r = 0; r < 16; ++r) {  // rows past the chunk: no keys, never stored
+        row_ctx[r] = r < rows ? static_cast<int32_t>(first + (tk.r0 + r) / G + 1) : 0;
+        if (r >= rows) continue;
+        const int64_t t = starts[tk.s] + (tk.r0 + r) / G, hq = tk.h * G + (tk.r0 + r) % G;
+        const uint16_t* qrow = reinterpret_cast<const uint16_t*>(q + (t * H + hq) * D);
+        for (int64_t d = 0; d < D; ++d) qt[(d / 32) * 512 + ((d % 32) / 2) * 32 + r * 2 + d % 2] = qrow[d];
+      }
+      const int64_t* table = tables + tk.s * W;
+      // pass 1: S^T, 16 keys a tile (a tile never crosses a block: BS is a multiple of 16)
+      for (int64_t k0 = 0; k0 < ctx; k0 += 16) {
+        const at::BFloat16* kb = kc + table[k0 / BS] * stride_blk + (tk.h * BS + k0 % BS) * D;
+        _tile_zero(4);
+        for (int64_t sl = 0; sl < NS; ++sl) {
+          _tile_loadd(5, kb + sl * 32, D * 2);
+          _tile_loadd(6, qt.data() + sl * 512, 64);
+          _tile_dpbf16ps(4, 5, 6);
+        }
+        _tile_stored(4, st.data() + k0 * 16, 64);
+      }
+      // the softmax down the keys, a row per lane; keys below the first row's end are every row's
+      const __m512i rc = _mm512_load_si512(row_ctx);
+      const int64_t all_live = row_ctx[0], padded = (ctx + 31) / 32 * 32;
+      const __m512 sc = _mm512_set1_ps(scale);
+      auto live_at = [&](int64_t t) -> __mmask16 {
+        return t < all_live ? __mmask16(0xFFFF) : _mm512_cmpgt_epi32_mask(rc, _mm512_set1_epi32(int32_t(t)));
+      };
+      // four running maxima and two sums, so that no add or max waits on the one before it
+      const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      __m512 mxs[4] = {ninf, ninf, ninf, ninf};
+      int64_t t = 0;
+      for (; t + 4 <= std::min(ctx, all_live); t += 4)
+        for (int j = 0; j < 4; ++j) mxs[j] = _mm512_max_ps(mxs[j], _mm512_loadu_ps(st.data() + (t + j) * 16));
+      for (; t < ctx; ++t) mxs[0] = _mm512_mask_max_ps(mxs[0], live_at(t), mxs[0], _mm512_loadu_ps(st.data() + t * 16));
+      const __m512 mx = _mm512_mul_ps(_mm512_max_ps(_mm512_max_ps(mxs[0], mxs[1]), _mm512_max_ps(mxs[2], mxs[3])), sc);
+      __m512 sums[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+      for (int64_t t0 = 0; t0 < padded; t0 += 32) {
+        __m512i m[16];  // m[kp][r] = (p[t0 + 2kp][r], p[t0 + 2kp + 1][r])
+        for (int kp = 0; kp < 16; ++kp) {
+          __m512 p[2];
+          for (int j = 0; j < 2; ++j) {
+            const int64_t t = t0 + 2 * kp + j;
+            const __mmask16 live = t < ctx ? live_at(t) : __mmask16(0);
+            const __m512 sv = _mm512_fmsub_ps(_mm512_maskz_loadu_ps(live, st.data() + t * 16), sc, mx);
+            p[j] = _mm512_maskz_mov_ps(live, exp16(sv));
+            sums[j] = _mm512_add_ps(sums[j], p[j]);
+          }
+          const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(p[0])),
+                                                  (__m256i)_mm512_cvtneps_pbh(p[1]), 1);
+          m[kp] = _mm512_permutexvar_epi16(pairs, both);
+        }
+        transpose16(m);  // m[r] = row r's 32 probabilities in key order
+        for (int r = 0; r < 16; ++r) _mm512_storeu_si512(pt.data() + t0 * 16 + r * 32, m[r]);
+      }
+      const __m512 sum = _mm512_add_ps(sums[0], sums[1]);
+      alignas(64) float inv[16];
+      _mm512_store_ps(inv, _mm512_maskz_div_ps(_mm512_cmplt_ps_mask(_mm512_setzero_ps(), sum), _mm512_set1_ps(1.f), sum));
+      // pass 2: O = P . V, 64 dims at a time, 32 keys a tile
+      const uint16_t* vh = vpk.data() + vp_off[tk.s * KVH + tk.h];
+      for (int64_t dc = 0; dc < D / 64; ++dc) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t t0 = 0; t0 < padded; t0 += 32) {
+          const uint16_t* vt = vh + ((t0 / 32) * NT + dc * 4) * 512;
+          _tile_loadd(6, pt.data() + t0 * 16, 64);
+          _tile_loadd(7, vt, 64);
+          _tile_dpbf16ps(0, 6, 7);
+          _tile_loadd(7, vt + 512, 64);
+          _tile_dpbf16ps(1, 6, 7);
+          _tile_loadd(7, vt + 1024, 64);
+          _tile_dpbf16ps(2, 6, 7);
+          _tile_loadd(7, vt + 1536, 64);
+          _tile_dpbf16ps(3, 6, 7);
+        }
+        _tile_stored(0, o[0], 64);
+        _tile_stored(1, o[1], 64);
+        _tile_stored(2, o[2], 64);
+        _tile_stored(3, o[3], 64);
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t t = starts[tk.s] + (tk.r0 + r) / G, hq = tk.h * G + (tk.r0 + r) % G;
+          const __m512 acc[4] = {_mm512_load_ps(o[0] + r * 16), _mm512_load_ps(o[1] + r * 16),
+                                 _mm512_load_ps(o[2] + r * 16), _mm512_load_ps(o[3] + r * 16)};
+          store_unpacked<2>(out + (t * H + hq) * D + dc * 64, acc, _mm512_set1_ps(inv[r]));
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
+// Whether bf16 prefill takes the AMX kernel (where it fits); set_amx_prefill(false) keeps the vector
+// kernel or the loop (A/B runs, tests). Returns the setting before.
+bool set_amx_prefill(bool on) {
+#if defined(SERVELAB_AMX_DECODE) && defined(__AVX512BF16__)
+  const bool before = amx_prefill_on;
+  amx_prefill_on = on;
+  return before;
+#else
+  (void)on;
+  return false;
+#endif
+}
+
+// Whether paged_prefill runs this cache on AMX tiles here (bf16, block size a multiple of 16,
+// head_dim a multiple of 64, the tiles granted and not switched off).
+bool prefill_on_tiles(torch::Tensor k_cache) {
+#if defined(SERVELAB_AMX_DECODE) && defined(__AVX512BF16__)
+  return k_cache.scalar_type() == torch::kBFloat16 && amx_prefill_fits(k_cache.size(2), k_cache.size(3));
+#else
+  (void)k_cache;
+  return false;
+#endif
+}
+
+// Whether paged_prefill has a tile or vector path for this cache and head size here (else it is a loop).
 bool prefill_fast(torch::Tensor k_cache) {
 #if defined(SERVELAB_AVX512) && defined(__AVX512BF16__)
-  return k_cache.scalar_type() == torch::kBFloat16 && k_cache.size(3) == 64;
+  return prefill_on_tiles(k_cache) || (k_cache.scalar_type() == torch::kBFloat16 && k_cache.size(3) == 64);
 #else
   (void)k_cache;
   return false;
@@ -202,6 +405,15 @@ torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
   const int64_t KVH = k_cache.size(1), BS = k_cache.size(2), W = tables.size(1), stride = k_cache.stride(0);
   TORCH_CHECK(starts.size(0) == S + 1 && starts[S].item<int64_t>() == T, "paged_prefill: query_start_loc must end at T");
   auto out = torch::empty({T, H, D}, q.options().dtype(torch::kFloat32));
+#if defined(SERVELAB_AMX_DECODE) && defined(__AVX512BF16__)
+  if (k_cache.scalar_type() == torch::kBFloat16 && q.scalar_type() == torch::kBFloat16 && amx_prefill_fits(BS, D)) {
+    auto qc = q.contiguous();
+    prefill_amx_bf16(qc.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
+                     tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), starts.data_ptr<int64_t>(),
+                     out.data_ptr<float>(), S, H, KVH, BS, D, W, stride, static_cast<float>(scale));
+    return out.to(q.scalar_type());
+  }
+#endif
 #if defined(SERVELAB_AVX512) && defined(__AVX512BF16__)
   if (prefill_fast(k_cache) && q.scalar_type() == torch::kBFloat16) {
     auto qc = q.contiguous();

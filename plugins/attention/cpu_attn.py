@@ -3,9 +3,8 @@ a query at a time) through the C++ paged kernel of kernels.cpu_attention (blocks
 GQA without repeated KV, online softmax), prefill chunks of a bf16 cache through the C++ paged
 prefill kernel (every chunk of the step in one call, causal over its cached prefix, read in
 place; about 2.5x PyTorch's CPU flash attention on a 512-token chunk where the CPU multiplies bf16
-with AVX512-BF16 pair products), other caches - and bf16 on CPUs with AMX tiles, where PyTorch's
-flash attention runs its GEMMs on them and is 1.6-2.8x the C++ kernel - through SDPA with the offset
-causal mask (`attention.prefill`: auto | cpp | sdpa). `auto` picks this backend on the CPU whenever
+with AVX512-BF16 pair products, 1.4-2.4x where it runs on AMX tiles), other caches through SDPA
+with the offset causal mask (`attention.prefill`: auto | cpp | sdpa). `auto` picks this backend on the CPU whenever
 the C++ kernel builds, the torch reference otherwise."""
 
 from __future__ import annotations
@@ -24,8 +23,9 @@ PREFILL_CHOICES = ("auto", "cpp", "sdpa")
 
 @dataclass
 class CPUAttentionConfig(AttentionConfig):
-    # prefill chunks of a bf16/fp32 cache: auto (the C++ kernel where it has its vector path and
-    # the CPU has no AMX tiles, else SDPA) | cpp (the C++ kernel) | sdpa (PyTorch's CPU flash attention)
+    # prefill chunks of a bf16/fp32 cache: auto (the C++ kernel where it has its tile path, or its
+    # vector path on a CPU without AMX tiles; else SDPA) | cpp (the C++ kernel) | sdpa (PyTorch's CPU
+    # flash attention)
     prefill: str = "auto"
 
     def __post_init__(self) -> None:  # checked when the config is read, before any model loads
@@ -63,7 +63,7 @@ class CPUAttention(TorchAttention):
         """Whether this cache's prefill chunks go to the C++ kernel (an int8 cache never does)."""
         if self.prefill_choice != "auto":
             return self.prefill_choice == "cpp"
-        return cpu_attention.prefill_fast(k_cache) and not cpu_attention.sdpa_prefill_wins()
+        return cpu_attention.prefill_fast(k_cache) and not cpu_attention.sdpa_prefill_wins(k_cache)
 
 
     def plan(self, meta):  # the C++ prefill needs no padded SDPA groups
