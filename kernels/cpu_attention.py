@@ -58,27 +58,26 @@ def amx_decode_ready() -> bool:
 
 
 @contextmanager
+def _switched(setter: str, on: bool):
+    """Inside the block, the module's AMX switch `setter` set to `on`; the setting before after it."""
+    module = load()
+    before = getattr(module, setter)(on)
+    try:
+        yield
+    finally:
+        getattr(module, setter)(before)
+
+
 def amx_decode(on: bool):
     """bf16 decode on the AMX tile kernel (on, the default where ready) or the vector kernel (off)
     inside the block: for A/B runs and for tests of one against the other."""
-    module = load()
-    before = module.set_amx_decode(on)
-    try:
-        yield
-    finally:
-        module.set_amx_decode(before)
+    return _switched("set_amx_decode", on)
 
 
-@contextmanager
 def amx_prefill(on: bool):
     """bf16 prefill on the AMX tile kernel (on, the default where ready) or the vector kernel / loop
     (off) inside the block: for A/B runs and for tests of one against the other."""
-    module = load()
-    before = module.set_amx_prefill(on)
-    try:
-        yield
-    finally:
-        module.set_amx_prefill(before)
+    return _switched("set_amx_prefill", on)
 
 
 def read_blocks(k_cache, v_cache, block_tables, context_lens) -> int:
@@ -107,7 +106,7 @@ def prefill_attention(q, k_cache, v_cache, block_tables, context_lens, query_sta
 
 def prefill_fast(k_cache) -> bool:
     """Whether the C++ prefill has its tile or vector path for this cache here (bf16: AMX tiles with
-    block size a multiple of 16 and head_dim of 64; else head_dim 64 and AVX512-BF16)."""
+    block size a multiple of 16 and head_dim a multiple of 64; else head_dim 64 and AVX512-BF16)."""
     return bool(load().prefill_fast(k_cache))
 
 
@@ -122,5 +121,5 @@ def sdpa_prefill_wins(k_cache) -> bool:
     Measured on a 2-core AMX Xeon (2026-12-02): SDPA 1.33 / 3.33 / 16.8 ms against the vector
     kernel's 2.07 / 9.14 / 29.5 ms for a 512-token chunk, the same after a 1,024-token prefix, and a
     2,048-token chunk; on AVX512-BF16 CPUs without AMX the vector kernel was 1.6-2.7x SDPA. The tile
-    kernel (2026-12-03, same kind): 1.4-2.4x SDPA (benchmarks.prefill_attention)."""
+    kernel (2026-12-03, same kind): 1.49-2.32x SDPA (`python -m benchmarks.decode_attention --prefill-only`)."""
     return has_amx() and not prefill_on_tiles(k_cache)

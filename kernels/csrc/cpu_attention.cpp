@@ -335,6 +335,10 @@ static void by_group(const float* q, const KV* kc, const KV* vc, const at::Half*
 // KV head (amx_decode_fits).
 static bool amx_decode_on = true;
 
+// Where element d of query row r goes in Q^T as the tiles' B operand: per 32 dims a tile of 16
+// rows of (row, d pair), 32 bf16 each (the decode and prefill tile kernels both pack it so).
+static inline int64_t qt_slot(int64_t d, int64_t r) { return (d / 32) * 512 + ((d % 32) / 2) * 32 + r * 2 + d % 2; }
+
 bool amx_decode_fits(int64_t G, int64_t BS, int64_t D) {
   return amx_decode_on && G <= 16 && BS % 16 == 0 && D % 64 == 0 && amx::permitted();
 }
@@ -376,7 +380,7 @@ static void decode_kernel_amx(const float* q, const at::BFloat16* kc, const at::
         const float* qrow = q + (b * H + h * G + g) * D;
         for (int64_t d = 0; d < D; ++d) {
           const at::BFloat16 x(qrow[d]);
-          qt[(d / 32) * 512 + ((d % 32) / 2) * 32 + g * 2 + d % 2] = x.x;
+          qt[qt_slot(d, g)] = x.x;
         }
       }
       const int64_t* table = tables + b * W;

@@ -212,8 +212,10 @@ static void prefill_amx_bf16(const at::BFloat16* q, const at::BFloat16* kc, cons
   const int64_t G = H / KVH, NS = D / 32, NT = D / 16;  // NT: value tiles of 16 dims
   // value pairs per (sequence, KV head): per 32 keys, NT tiles of [16 key pairs][16 d x 2]
   std::vector<int64_t> vp_off(S * KVH + 1, 0), cap(S);
+  int64_t max_cap = 0;
   for (int64_t s = 0; s < S; ++s) {
     cap[s] = (ctx_lens[s] + 31) / 32 * 32;
+    max_cap = std::max(max_cap, cap[s]);
     for (int64_t h = 0; h < KVH; ++h) vp_off[s * KVH + h + 1] = vp_off[s * KVH + h] + D * cap[s];
   }
   std::vector<uint16_t> vpk(vp_off[S * KVH]);
@@ -247,8 +249,6 @@ static void prefill_amx_bf16(const at::BFloat16* q, const at::BFloat16* kc, cons
   }
   // longest first, handed out one by one: the last rows of a chunk see the most keys
   std::sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
-  int64_t max_cap = 0;
-  for (int64_t s = 0; s < S; ++s) max_cap = std::max(max_cap, cap[s]);
   std::atomic<int64_t> next{0};
   const int64_t n_tasks = static_cast<int64_t>(tasks.size());
   // two rows of 16 bf16 probabilities (keys t, t + 1) into 16 dwords (p[t][r], p[t + 1][r])
@@ -271,7 +271,7 @@ static void prefill_amx_bf16(const at::BFloat16* q, const at::BFloat16* kc, cons
         if (r >= rows) continue;
         const int64_t t = starts[tk.s] + (tk.r0 + r) / G, hq = tk.h * G + (tk.r0 + r) % G;
         const uint16_t* qrow = reinterpret_cast<const uint16_t*>(q + (t * H + hq) * D);
-        for (int64_t d = 0; d < D; ++d) qt[(d / 32) * 512 + ((d % 32) / 2) * 32 + r * 2 + d % 2] = qrow[d];
+        for (int64_t d = 0; d < D; ++d) qt[qt_slot(d, r)] = qrow[d];
       }
       const int64_t* table = tables + tk.s * W;
       // pass 1: S^T, 16 keys a tile (a tile never crosses a block: BS is a multiple of 16)
@@ -382,15 +382,18 @@ bool prefill_on_tiles(torch::Tensor k_cache) {
 #endif
 }
 
-// Whether paged_prefill has a tile or vector path for this cache and head size here (else it is a loop).
-bool prefill_fast(torch::Tensor k_cache) {
+// Whether paged_prefill's vector kernel serves this cache here (bf16, head_dim 64, AVX512-BF16).
+bool prefill_vector(torch::Tensor k_cache) {
 #if defined(SERVELAB_AVX512) && defined(__AVX512BF16__)
-  return prefill_on_tiles(k_cache) || (k_cache.scalar_type() == torch::kBFloat16 && k_cache.size(3) == 64);
+  return k_cache.scalar_type() == torch::kBFloat16 && k_cache.size(3) == 64;
 #else
   (void)k_cache;
   return false;
 #endif
 }
+
+// Whether paged_prefill has a tile or vector path for this cache and head size here (else it is a loop).
+bool prefill_fast(torch::Tensor k_cache) { return prefill_on_tiles(k_cache) || prefill_vector(k_cache); }
 
 // Packed prefill chunks q [T, H, D] (sequence s's rows starts[s]..starts[s+1], the last tokens of its
 // context_lens[s], their K/V already in the cache) -> [T, H, D] in q's dtype.
@@ -406,7 +409,7 @@ torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
   TORCH_CHECK(starts.size(0) == S + 1 && starts[S].item<int64_t>() == T, "paged_prefill: query_start_loc must end at T");
   auto out = torch::empty({T, H, D}, q.options().dtype(torch::kFloat32));
 #if defined(SERVELAB_AMX_DECODE) && defined(__AVX512BF16__)
-  if (k_cache.scalar_type() == torch::kBFloat16 && q.scalar_type() == torch::kBFloat16 && amx_prefill_fits(BS, D)) {
+  if (q.scalar_type() == torch::kBFloat16 && prefill_on_tiles(k_cache)) {
     auto qc = q.contiguous();
     prefill_amx_bf16(qc.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
                      tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), starts.data_ptr<int64_t>(),
@@ -415,7 +418,7 @@ torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
   }
 #endif
 #if defined(SERVELAB_AVX512) && defined(__AVX512BF16__)
-  if (prefill_fast(k_cache) && q.scalar_type() == torch::kBFloat16) {
+  if (q.scalar_type() == torch::kBFloat16 && prefill_vector(k_cache)) {
     auto qc = q.contiguous();
     prefill_bf16_d64(qc.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
                      tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), starts.data_ptr<int64_t>(),
