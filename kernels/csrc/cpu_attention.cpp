@@ -339,6 +339,22 @@ static bool amx_decode_on = true;
 // rows of (row, d pair), 32 bf16 each (the decode and prefill tile kernels both pack it so).
 static inline int64_t qt_slot(int64_t d, int64_t r) { return (d / 32) * 512 + ((d % 32) / 2) * 32 + r * 2 + d % 2; }
 
+// The output tiles 0-3 (O as [rows][16 d] each, d in value_pairs' unpack order) out in d order:
+// row r of them, times inv(r), to dst(r), for the first `rows` rows (both tile kernels end so).
+template <typename Dst, typename Inv>
+static inline void store_o_tiles(int64_t rows, Dst dst, Inv inv) {
+  alignas(64) float o[4][16 * 16];
+  _tile_stored(0, o[0], 64);
+  _tile_stored(1, o[1], 64);
+  _tile_stored(2, o[2], 64);
+  _tile_stored(3, o[3], 64);
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 acc[4] = {_mm512_load_ps(o[0] + r * 16), _mm512_load_ps(o[1] + r * 16),
+                           _mm512_load_ps(o[2] + r * 16), _mm512_load_ps(o[3] + r * 16)};
+    store_unpacked<2>(dst(r), acc, _mm512_set1_ps(inv(r)));
+  }
+}
+
 bool amx_decode_fits(int64_t G, int64_t BS, int64_t D) {
   return amx_decode_on && G <= 16 && BS % 16 == 0 && D % 64 == 0 && amx::permitted();
 }
@@ -366,7 +382,6 @@ static void decode_kernel_amx(const float* q, const at::BFloat16* kc, const at::
     std::vector<uint16_t> qt(NS * 16 * 32);                 // Q^T: per 32 dims, 16 rows of (q, d pair)
     alignas(64) float st[16 * 16];                           // one S^T tile
     alignas(64) uint16_t vp[4][16 * 32];                     // 32 value rows in pair layout, 64 dims
-    alignas(64) float o[4][16 * 16];                         // the O tiles at the end
     const __m512i cols = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                             _mm512_set1_epi32(16));
     for (int64_t task = begin; task < end; ++task) {
@@ -464,15 +479,7 @@ static void decode_kernel_amx(const float* q, const at::BFloat16* kc, const at::
           _tile_loadd(6, vp[3], 64);
           _tile_dpbf16ps(3, 7, 6);
         }
-        _tile_stored(0, o[0], 64);
-        _tile_stored(1, o[1], 64);
-        _tile_stored(2, o[2], 64);
-        _tile_stored(3, o[3], 64);
-        for (int64_t g = 0; g < G; ++g) {
-          const __m512 acc[4] = {_mm512_load_ps(o[0] + g * 16), _mm512_load_ps(o[1] + g * 16),
-                                 _mm512_load_ps(o[2] + g * 16), _mm512_load_ps(o[3] + g * 16)};
-          store_unpacked<2>(out + (b * H + h * G + g) * D + d0, acc, _mm512_set1_ps(inv[g]));
-        }
+        store_o_tiles(G, [&](int64_t g) { return out + (b * H + h * G + g) * D + d0; }, [&](int64_t g) { return inv[g]; });
       }
     }
     _tile_release();

@@ -259,7 +259,6 @@ static void prefill_amx_bf16(const at::BFloat16* q, const at::BFloat16* kc, cons
     std::vector<uint16_t> qt(NS * 512);
     std::vector<float> st(max_cap * 16);     // S^T [key][row]
     std::vector<uint16_t> pt(max_cap * 16);  // P tiles [32 keys a tile][row][32]
-    alignas(64) float o[4][16 * 16];
     alignas(64) int32_t row_ctx[16];
     for (int64_t i = next++; i < n_tasks; i = next++) {
       const Task& tk = tasks[i];
@@ -341,16 +340,10 @@ static void prefill_amx_bf16(const at::BFloat16* q, const at::BFloat16* kc, cons
           _tile_loadd(7, vt + 1536, 64);
           _tile_dpbf16ps(3, 6, 7);
         }
-        _tile_stored(0, o[0], 64);
-        _tile_stored(1, o[1], 64);
-        _tile_stored(2, o[2], 64);
-        _tile_stored(3, o[3], 64);
-        for (int64_t r = 0; r < rows; ++r) {
+        store_o_tiles(rows, [&](int64_t r) {
           const int64_t t = starts[tk.s] + (tk.r0 + r) / G, hq = tk.h * G + (tk.r0 + r) % G;
-          const __m512 acc[4] = {_mm512_load_ps(o[0] + r * 16), _mm512_load_ps(o[1] + r * 16),
-                                 _mm512_load_ps(o[2] + r * 16), _mm512_load_ps(o[3] + r * 16)};
-          store_unpacked<2>(out + (t * H + hq) * D + dc * 64, acc, _mm512_set1_ps(inv[r]));
-        }
+          return out + (t * H + hq) * D + dc * 64;
+        }, [&](int64_t r) { return inv[r]; });
       }
     }
     _tile_release();
