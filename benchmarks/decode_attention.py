@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-from kernels import attention as ref
-from kernels import cpu_attention
+from servelab_kernels import attention as ref
+from servelab_kernels import cpu_attention
 
 CASES = [(1, 2048, torch.bfloat16), (16, 512, torch.bfloat16), (64, 256, torch.bfloat16), (64, 640, torch.bfloat16),
          (64, 1024, torch.bfloat16), (128, 640, torch.bfloat16), (64, 1024, torch.int8)]

@@ -1,4 +1,4 @@
-"""The eager CPU forward's C++ elementwise ops (kernels.cpu_ops: RMSNorm with the residual add,
+"""The eager CPU forward's C++ elementwise ops (servelab_kernels.cpu_ops: RMSNorm with the residual add,
 rotary, silu-and-multiply) against their torch twins, inside real engine steps:
 `python -m benchmarks.eager_ops`.
 
@@ -16,7 +16,7 @@ import statistics
 
 from benchmarks.ab import alternating_rounds, write_report
 from benchmarks.profile_step import EAGER, decoding_engine
-from kernels import cpu_ops
+from servelab_kernels import cpu_ops
 
 ROUNDS = 7
 

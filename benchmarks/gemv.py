@@ -1,4 +1,4 @@
-"""The bf16 GEMV (kernels.linear) against oneDNN's GEMM (`F.linear`) at few rows, and in decode
+"""The bf16 GEMV (servelab_kernels.linear) against oneDNN's GEMM (`F.linear`) at few rows, and in decode
 steps: `python -m benchmarks.gemv`.
 
 Micro-benchmark: SmolLM2-135M's linear shapes (fused qkv, o, fused gate-up, down, the head) at
@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.decode_attention import median_seconds
-from kernels import cpu_ops
-from kernels import linear as gemv
+from servelab_kernels import cpu_ops
+from servelab_kernels import linear as gemv
 
 SHAPES = {"qkv 960x576": (960, 576), "o 576x576": (576, 576), "gate-up 3072x576": (3072, 576),
           "down 576x1536": (576, 1536), "head 49152x576": (49152, 576)}

@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels import attention as ref
-from kernels import norm, quant, rotary
+from servelab_kernels import attention as ref
+from servelab_kernels import norm, quant, rotary
 
 
 def timed(fn, reps: int = 20) -> float:
@@ -63,7 +63,7 @@ def _err(a, b) -> float:
 
 
 def _decode_case(b: int, ctx: int, dtype, h: int, kvh: int, d: int, hbm: float, device) -> list[dict]:
-    from kernels import triton_attention as tri
+    from servelab_kernels import triton_attention as tri
 
     kc, vc, scales, tables = _paged(b, ctx, kvh, d, dtype, device)
     q = torch.randn(b, h, d, dtype=torch.bfloat16, device=device)
@@ -90,7 +90,7 @@ def decode_cases(hbm: float, device, small: bool) -> list[dict]:
 
 
 def prefill_cases(peak_tflops: float, device, small: bool) -> list[dict]:
-    from kernels import triton_attention as tri
+    from servelab_kernels import triton_attention as tri
 
     h, kvh, d = (8, 2, 64) if small else (32, 8, 64)
     seqs, chunk, ctx = (2, 32, 48) if small else (8, 512, 2048)
@@ -120,8 +120,8 @@ def prefill_cases(peak_tflops: float, device, small: bool) -> list[dict]:
 
 
 def elementwise_cases(hbm: float, device, small: bool) -> list[dict]:
-    from kernels import triton_attention as tri
-    from kernels import triton_ops
+    from servelab_kernels import triton_attention as tri
+    from servelab_kernels import triton_ops
 
     t, hidden, h, kvh, d = (64, 256, 8, 2, 64) if small else (8192, 2048, 32, 8, 64)
     x = torch.randn(t, hidden, dtype=torch.bfloat16, device=device)
@@ -150,7 +150,7 @@ def elementwise_cases(hbm: float, device, small: bool) -> list[dict]:
 
 
 def matmul_cases(hbm: float, device, small: bool) -> list[dict]:
-    from kernels import triton_quant
+    from servelab_kernels import triton_quant
 
     n, k = (256, 512) if small else (14336, 4096)  # Llama-3.1-8B's MLP up projection, at batch 1
     w = torch.randn(n, k, dtype=torch.bfloat16, device=device)

@@ -1,4 +1,4 @@
-"""bf16 Linears through oneDNN's packed weights (kernels.linear.Linear) against F.linear on the
+"""bf16 Linears through oneDNN's packed weights (servelab_kernels.linear.Linear) against F.linear on the
 plain weights: `python -m benchmarks.packed_linear`.
 
 Two tables. SmolLM2's shapes (q/k/v fused, o, gate/up fused, down, the head) at 4-256 rows (at 4 and 8 rows the plain
@@ -7,7 +7,7 @@ side the median of 7 rounds of 50 calls, alternating, with the results compared 
 real engine steps of the default engine on the embedded model (bf16): 64 decodes, the same plus a
 fresh 512-token prompt prefilled in the step, 8 decodes (on AMX CPUs the packed GEMM's rows, the
 GEMV's where packing is off), rounds alternating between packed and plain weights
-(`kernels.linear.packing(False)`) on one engine. Writes reports/packed-linear/report.{md,json}.
+(`servelab_kernels.linear.packing(False)`) on one engine. Writes reports/packed-linear/report.{md,json}.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 
 from benchmarks.ab import alternating_rounds, write_report
 from benchmarks.profile_step import EAGER, decoding_engine
-from kernels.linear import Linear, packing, use_packed
+from servelab_kernels.linear import Linear, packing, use_packed
 
 ROUNDS = 7
 SHAPES = {"qkv (960 x 576)": (960, 576), "o (576 x 576)": (576, 576), "gate/up (3072 x 576)": (3072, 576),

@@ -6,7 +6,7 @@ same step (256 tokens: the CPU's default step budget, the steps `chat_longtail` 
 decode (batch 1). Rounds alternate between the engines, so the machine's drift falls on all of
 them; the report gives each one's median step time and the median and range of its per-round speed
 against the unquantized model (> 1: faster). On CPUs with AMX-INT8 `int8` also runs without its AMX GEMM
-(`int8 (no AMX)`, kernels.cpu_quant.amx_tiles(False)), the path other CPUs take, side by side. A whole `compare` runs its configurations one after the other, and on
+(`int8 (no AMX)`, servelab_kernels.cpu_quant.amx_tiles(False)), the path other CPUs take, side by side. A whole `compare` runs its configurations one after the other, and on
 a shared 2-core machine their order can move a 5 % ratio. Writes reports/quant-steps/report.{md,json}.
 """
 
@@ -40,12 +40,12 @@ def alternating(steps: dict, n: int) -> dict:
     return out
 
 
-NO_AMX = " (no AMX)"  # an INT8 engine stepped with kernels.cpu_quant.amx_tiles(False): the path CPUs without AMX take
+NO_AMX = " (no AMX)"  # an INT8 engine stepped with servelab_kernels.cpu_quant.amx_tiles(False): the path CPUs without AMX take
 
 
 def variants(quants: list[str]) -> list[str]:
     """The quantizers to run; on CPUs with AMX-INT8, `int8` also without its AMX GEMM, side by side."""
-    from kernels import cpu_quant
+    from servelab_kernels import cpu_quant
 
     extra = [q + NO_AMX for q in quants if q == "int8" and cpu_quant.amx_ready()]
     return quants + extra
@@ -53,7 +53,7 @@ def variants(quants: list[str]) -> list[str]:
 
 def measure(quants: list[str]) -> tuple[dict, str]:
     from core.engine.types import SamplingParams
-    from kernels import cpu_quant
+    from servelab_kernels import cpu_quant
 
     names = ["none"] + quants
     overrides = {q: [f"quant={q.removesuffix(NO_AMX)}"] for q in names}

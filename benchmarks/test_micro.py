@@ -13,7 +13,7 @@ from core.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from core.engine.engine import Engine
 from core.engine.registry import get_registry
 from core.engine.types import KVCacheSpec, SamplingParams, ScheduledSeq, Sequence
-from kernels.attention import decode_attention
+from servelab_kernels.attention import decode_attention
 from tests.tiny import step_inputs
 
 SPEC = KVCacheSpec(num_layers=30, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16, max_model_len=2048)

@@ -53,7 +53,7 @@ def pytest_sessionstart(session):
     """The C++ kernels built (or loaded from the cache) before any test runs, so that no test's
     subprocess (a CLI run under a timeout, a server, a tensor-parallel rank) compiles them on its
     own clock: on a slow machine three builds take minutes."""
-    from kernels import cpu_attention, cpu_decode, cpu_ops, cpu_quant
+    from servelab_kernels import cpu_attention, cpu_decode, cpu_ops, cpu_quant
 
     cpu_ops.load()
     cpu_attention.load()
@@ -62,13 +62,13 @@ def pytest_sessionstart(session):
 
 
 def _has_amx() -> bool:
-    from kernels import cpu_quant
+    from servelab_kernels import cpu_quant
 
     return cpu_quant.amx_ready()
 
 
 def _has_amx_bf16() -> bool:
-    from kernels import cpu_attention
+    from servelab_kernels import cpu_attention
 
     return cpu_attention.amx_decode_ready()
 

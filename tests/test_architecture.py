@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("core", "plugins", "kernels", "scenarios")
+PACKAGES = ("core", "plugins", "servelab_kernels", "scenarios")
 EXAMPLE = ROOT / "examples" / "servelab-plugin-example" / "servelab_plugin_example"
 CORE_SUBPACKAGES = ("config", "engine", "model", "runner", "server", "bench")
 MAX_FILE_LINES = 300
@@ -114,7 +114,7 @@ def test_the_engine_never_imports_the_server_or_the_bench():
 
 def test_kernels_import_nothing_of_ours_and_core_no_plugin():
     g = graph()
-    assert [(m, d) for m, deps in g.items() if m.startswith("kernels") for d in deps if not d.startswith("kernels")] == []
+    assert [(m, d) for m, deps in g.items() if m.startswith("servelab_kernels") for d in deps if not d.startswith("servelab_kernels")] == []
     assert [(m, d) for m, deps in g.items() if m.startswith("core") for d in deps if d.startswith("plugins")] == []
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kernels.attention import plan_prefill, quantize_kv, write_kv
+from servelab_kernels.attention import plan_prefill, quantize_kv, write_kv
 from tests.tiny import attend as paged_attention
 
 

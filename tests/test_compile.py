@@ -33,7 +33,7 @@ def _generate(engine):
 
 
 # fp32: the same sums in another order. bf16: the graph's linears of few rows call the same GEMV as
-# eager (kernels.linear's bf16_matmul op), but inductor rounds its fused norms, rotary and residual
+# eager (servelab_kernels.linear's bf16_matmul op), but inductor rounds its fused norms, rotary and residual
 # adds to bf16 where eager's C++ ops round otherwise; on this tiny model that alone reaches 4 % of the
 # largest hidden value (measured with the graph's linears on oneDNN too).
 @pytest.mark.parametrize("dtype, tolerance", [("fp32", 1e-4), ("bf16", 6e-2)])

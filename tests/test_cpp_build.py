@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from kernels import cpp_build
+from servelab_kernels import cpp_build
 
 
 @pytest.fixture
@@ -37,7 +37,7 @@ def test_a_build_killed_mid_way_is_cleared_not_waited_on(root, caplog):
     is killed; the lock is free again at once and the next build starts from an empty directory."""
     child = subprocess.Popen([sys.executable, "-c", (
         "import sys, time\n"
-        "from kernels import cpp_build\n"
+        "from servelab_kernels import cpp_build\n"
         "with cpp_build.build_directory('k') as where:\n"
         "    (where / 'lock').touch(); (where / 'half.o').write_bytes(b'x')\n"
         "    print('building', flush=True)\n"

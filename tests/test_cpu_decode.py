@@ -1,4 +1,4 @@
-"""The native decode plan (core/model/decode_plan.py, kernels/csrc/cpu_decode.cpp) against the
+"""The native decode plan (core/model/decode_plan.py, servelab_kernels/csrc/cpu_decode.cpp) against the
 eager forward it replaces: the same logits, bit for bit, at every decode step, for each kind of
 layer it runs, with batches that shrink through the GEMV thresholds (16 rows for bf16, 12 for
 INT4); and the configurations it does not serve, which stay eager or are refused by name."""
@@ -15,7 +15,7 @@ from core.engine.components import engine_config
 from core.engine.engine import Engine
 from core.engine.types import SamplingParams
 from core.errors import ConfigError
-from kernels import cpu_ops
+from servelab_kernels import cpu_ops
 
 
 def build(overrides: list[str]) -> Engine:
@@ -130,7 +130,7 @@ def test_native_decode_true_refuses_what_it_cannot_run_by_name(tiny_dirs, extra,
 
 
 def test_a_plan_is_refused_a_linear_kind_it_does_not_know():
-    from kernels import cpu_decode
+    from servelab_kernels import cpu_decode
 
     plan = cpu_decode.new_plan(torch.zeros(8, 4), torch.zeros(8, 4), torch.ones(16), 2, 1, 8, 32, 1e-5, 0.35,
                                "servelab_cpu_attention::write_and_decode")

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from core.errors import ConfigError
-from kernels import attention as ref
-from kernels import cpu_attention
+from servelab_kernels import attention as ref
+from servelab_kernels import cpu_attention
 from tests.tiny import scattered_kv_cache
 
 

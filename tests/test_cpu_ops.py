@@ -1,9 +1,9 @@
-"""The C++ elementwise ops of the eager CPU forward (kernels.cpu_ops) against their torch twins."""
+"""The C++ elementwise ops of the eager CPU forward (servelab_kernels.cpu_ops) against their torch twins."""
 
 import pytest
 import torch
 
-from kernels import activation, cpu_ops, norm, rotary
+from servelab_kernels import activation, cpu_ops, norm, rotary
 
 GEN = torch.Generator().manual_seed(0)
 

@@ -1,14 +1,21 @@
-"""The C++ INT4 / INT8 matmuls (kernels.cpu_quant) against their torch twins, the activation
+"""The C++ INT4 / INT8 matmuls (servelab_kernels.cpu_quant) against their torch twins, the activation
 rounding they add against its bound, the Int4Linear paths, the C++ KV write, and fused projections."""
 
 import pytest
 import torch
 from torch import nn
 
-from kernels import attention as ref_attention
-from kernels import cpu_attention, cpu_quant
-from kernels.cpu_quant import dequantize_q4_ref, pack_q4, q4_linear_ref, q8_linear_ref, quantize_rows_ref, unpack_q4
-from kernels.quant import Int4Linear, Int8Linear
+from servelab_kernels import attention as ref_attention
+from servelab_kernels import cpu_attention, cpu_quant
+from servelab_kernels.cpu_quant import (
+    dequantize_q4_ref,
+    pack_q4,
+    q4_linear_ref,
+    q8_linear_ref,
+    quantize_rows_ref,
+    unpack_q4,
+)
+from servelab_kernels.quant import Int4Linear, Int8Linear
 
 g = torch.Generator().manual_seed(0)
 BUILDS = pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
@@ -110,7 +117,7 @@ def test_amx_is_ready_exactly_where_the_cpu_has_amx_int8():
     import platform
     import re
 
-    from kernels.cpp_build import cpu_features
+    from servelab_kernels.cpp_build import cpu_features
 
     flags = cpu_features()
     has = "amx_int8" in flags and "avx512_bf16" in flags and "avx512_vnni" in flags

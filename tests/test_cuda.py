@@ -57,7 +57,7 @@ def test_the_kv_pool_is_sized_from_the_devices_memory():
 
 
 def test_quantized_linears_run_the_triton_matmuls_on_cuda():
-    from kernels.quant import Int4Linear, Int8Linear
+    from servelab_kernels.quant import Int4Linear, Int8Linear
 
     w = torch.randn(96, 256, device="cuda")
     x = torch.randn(3, 256, device="cuda", dtype=torch.bfloat16)

@@ -1,12 +1,12 @@
-"""The bf16 GEMV of few-row linears on the CPU (kernels.linear, csrc/cpu_gemv.cpp) against its
+"""The bf16 GEMV of few-row linears on the CPU (servelab_kernels.linear, csrc/cpu_gemv.cpp) against its
 twin, and when the model's linears take it."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_ops
-from kernels import linear as lin
+from servelab_kernels import cpu_ops
+from servelab_kernels import linear as lin
 
 GEN = torch.Generator().manual_seed(0)
 
@@ -208,7 +208,7 @@ def test_on_amx_the_gemv_keeps_three_rows_and_the_packed_gemm_takes_four(monkeyp
 
 
 def test_a_switch_is_set_for_its_block_only_and_restored_on_an_error():
-    from kernels.dispatch import Switch
+    from servelab_kernels.dispatch import Switch
 
     switch = Switch()
     with switch.set(False):

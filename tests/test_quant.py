@@ -10,9 +10,12 @@ from core.config import QuantConfig
 from core.engine.engine import Engine
 from core.engine.types import SamplingParams
 from core.model.quantize import swap_linears
-from kernels import cpu_quant
-from kernels.cpu_quant import q8_linear_ref
-from kernels.quant import (
+from plugins.quant.gguf import q4_blocks
+from plugins.quant.int4 import Int4QuantConfig, awq_scale
+from plugins.quant.int8 import Int8QuantConfig
+from servelab_kernels import cpu_quant
+from servelab_kernels.cpu_quant import q8_linear_ref
+from servelab_kernels.quant import (
     Int4Linear,
     Int8Linear,
     dequantize_int4,
@@ -22,9 +25,6 @@ from kernels.quant import (
     quantize_int4,
     quantize_int8,
 )
-from plugins.quant.gguf import q4_blocks
-from plugins.quant.int4 import Int4QuantConfig, awq_scale
-from plugins.quant.int8 import Int8QuantConfig
 from tests.tiny import tiny_config
 
 g = torch.Generator().manual_seed(0)
@@ -119,7 +119,7 @@ def test_engine_serves_quantized_tiny_model(tiny_dirs, quant):
 
 
 def test_int8_kv_cache_attention_close_to_full_precision():
-    from kernels.attention import write_kv
+    from servelab_kernels.attention import write_kv
     from tests.tiny import attend
 
     gen = torch.Generator().manual_seed(3)
@@ -171,7 +171,7 @@ def test_int8_kv_cache_doubles_capacity_and_serves(tiny_dirs):
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_quantized_embedding_rows_match_their_reference(bits):
-    from kernels.quant import QuantEmbedding
+    from servelab_kernels.quant import QuantEmbedding
 
     w = torch.randn(50, 64, generator=g)
     emb = QuantEmbedding(w, bits, group_size=32, out_dtype=torch.float32)
@@ -187,7 +187,7 @@ def test_quantized_embedding_rows_match_their_reference(bits):
 
 
 def test_tied_embedding_follows_a_quantized_lm_head(tiny_dirs):
-    from kernels.quant import QuantEmbedding
+    from servelab_kernels.quant import QuantEmbedding
 
     cfg = tiny_config(tiny_dirs["llama3"])  # tie_word_embeddings=True
     cfg.quant = QuantConfig(name="int8")

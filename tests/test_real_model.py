@@ -109,7 +109,7 @@ def test_quantized_weight_bytes_and_gguf_blocks(engine):
     from core.bench.roofline import weight_bytes
     from core.config import CacheConfig
     from core.engine.registry import get_registry
-    from kernels.quant import Int4Linear
+    from servelab_kernels.quant import Int4Linear
 
     def build(quant, **keys):
         cfg = EngineConfig(model=ModelConfig(dtype="bf16", max_model_len=256),

@@ -20,7 +20,7 @@ from core.engine.types import SamplingParams
 from core.errors import ConfigError
 from core.model.llama import ModelArgs
 from core.parallel.tensor_parallel import plan_shard
-from kernels.quant import quantize_int8
+from servelab_kernels.quant import quantize_int8
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village"]
 BF16_TIE = 0.26  # logprob gap under which two bf16 logits (0.125 apart at |logit| ~ 16-32) are a tie

@@ -5,9 +5,9 @@ contexts across block boundaries, the INT8 cache; then the tiny model end to end
 import pytest
 import torch
 
-from kernels import attention as ref
-from kernels import norm, quant, rotary, triton_ops, triton_quant
-from kernels import triton_attention as tri
+from servelab_kernels import attention as ref
+from servelab_kernels import norm, quant, rotary, triton_ops, triton_quant
+from servelab_kernels import triton_attention as tri
 from tests.tiny import empty_kv_cache, scattered_kv_cache
 
 BLOCK = 16
@@ -157,7 +157,7 @@ def _greedy(engine, prompts=PROMPTS):
 
 @pytest.mark.parametrize("cache_dtype", ["auto", "int8"])
 def test_tiny_model_greedy_tokens_are_the_same_with_the_triton_kernels(tiny_dirs, cache_dtype):
-    from kernels.dispatch import force_triton
+    from servelab_kernels.dispatch import force_triton
 
     want = _greedy(_engine(tiny_dirs["llama"], "torch", cache_dtype))
     with force_triton():  # norms and rotary too
@@ -168,8 +168,8 @@ def test_tiny_model_greedy_tokens_are_the_same_with_the_triton_kernels(tiny_dirs
 def test_decode_steps_through_the_padded_static_buffers_give_the_same_tokens(tiny_dirs):
     """The CUDA-graph path without the capture: decode steps padded to their bucket (slot -1,
     context 0 rows) and run from the static buffers."""
-    from kernels.dispatch import force_triton
     from plugins.backends.cuda_graphs import DecodeGraphs, buckets
+    from servelab_kernels.dispatch import force_triton
 
     assert buckets(8) == [1, 2, 4, 8] and buckets(40) == [1, 2, 4, 8, 16, 32, 40]
     want = _greedy(_engine(tiny_dirs["llama"], "torch"))
@@ -190,7 +190,7 @@ def test_decode_steps_through_the_padded_static_buffers_give_the_same_tokens(tin
 def test_quantized_linears_take_the_triton_path_where_triton_runs(bits):
     """On CUDA (here: forced, interpreted) the modules keep their weights quantized and run the
     Triton matmuls; the outputs match the dequantize-and-multiply reference."""
-    from kernels.dispatch import force_triton
+    from servelab_kernels.dispatch import force_triton
 
     g = torch.Generator().manual_seed(bits)
     w, bias, x = on(torch.randn(40, 100, generator=g), torch.randn(40, generator=g), torch.randn(3, 100, generator=g))

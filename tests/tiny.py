@@ -139,7 +139,7 @@ def scattered_kv_cache(ctx_lens: list[int], kv_heads: int, d: int, dtype: torch.
     """A cache holding each sequence's random K/V in blocks scattered over the pool (written by
     the reference `write_kv`). Returns (k_cache, v_cache, scales, block tables [seqs, max blocks]
     int64, padded with block 0)."""
-    from kernels.attention import write_kv
+    from servelab_kernels.attention import write_kv
 
     g = torch.Generator().manual_seed(seed)
     kc, vc, scales = empty_kv_cache(num_blocks, kv_heads, block_size, d, dtype, device)

@@ -7,7 +7,7 @@ import torch
 
 from core.config.schema import EngineConfig
 from core.errors import ConfigError
-from kernels.cpp_build import cpu_features as cpu_feature_flags  # (tests replace it here)
+from servelab_kernels.cpp_build import cpu_features as cpu_feature_flags  # (tests replace it here)
 
 # A step's token budget when the config leaves it null, per device, as vLLM picks its defaults per
 # device. Every running decode waits through the step's prefill chunk: on 2 CPU cores a 1,024-token

@@ -1,5 +1,5 @@
 """Decode-only steps of a `LlamaForCausalLM` as one C++ call: the model's layers handed to
-kernels.cpu_decode's `DecodePlan` (the analogue, on the CPU, of replaying a CUDA graph).
+servelab_kernels.cpu_decode's `DecodePlan` (the analogue, on the CPU, of replaying a CUDA graph).
 
 The plan runs exactly what `LlamaForCausalLM.forward` runs for a step whose every row is one new
 token (the norms, the fused projections, rotary, the attention backend's write-and-decode op,
@@ -15,8 +15,8 @@ import torch
 
 from core.model.fuse import FusedLinear
 from core.model.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM, RMSNorm
-from kernels import cpu_decode
-from kernels.dispatch import Switch
+from servelab_kernels import cpu_decode
+from servelab_kernels.dispatch import Switch
 
 _on = Switch()
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.quant import Int4Linear, Int8Linear
+from servelab_kernels.quant import Int4Linear, Int8Linear
 
 
 class FusedLinear(nn.Module):

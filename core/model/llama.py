@@ -16,11 +16,11 @@ import torch
 from torch import nn
 
 from core.runner.metadata import AttentionMetadata
-from kernels.activation import silu_mul
-from kernels.attention import causal_attention
-from kernels.linear import Linear
-from kernels.norm import rms_norm
-from kernels.rotary import rotary
+from servelab_kernels.activation import silu_mul
+from servelab_kernels.attention import causal_attention
+from servelab_kernels.linear import Linear
+from servelab_kernels.norm import rms_norm
+from servelab_kernels.rotary import rotary
 
 
 @dataclass

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from core.runner.metadata import AttentionMetadata
-from kernels.quant import Int8Linear, QuantEmbedding
+from servelab_kernels.quant import Int8Linear, QuantEmbedding
 
 
 def swap_linears(model: nn.Module, make: Callable[[str, nn.Linear], nn.Module], keep: list[str]) -> list[str]:

@@ -1,5 +1,5 @@
 """Attention backend `cpu`: decode rows (and rows of up to 8 queries, such as speculative verifies,
-a query at a time) through the C++ paged kernel of kernels.cpu_attention (blocks read in place,
+a query at a time) through the C++ paged kernel of servelab_kernels.cpu_attention (blocks read in place,
 GQA without repeated KV, online softmax), prefill chunks of a bf16 cache through the C++ paged
 prefill kernel (every chunk of the step in one call, causal over its cached prefix, read in
 place; about 2.5x PyTorch's CPU flash attention on a 512-token chunk where the CPU multiplies bf16
@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from core.api import AttentionConfig, hookimpl
-from kernels import cpu_attention
-from kernels.attention import prefill_attention
 from plugins.attention.torch_ref import TorchAttention, split_rows
+from servelab_kernels import cpu_attention
+from servelab_kernels.attention import prefill_attention
 
 PREFILL_CHOICES = ("auto", "cpp", "sdpa")
 

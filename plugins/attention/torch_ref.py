@@ -1,4 +1,4 @@
-"""Attention backend `torch`: the reference kernels of `kernels.attention`, in eager PyTorch.
+"""Attention backend `torch`: the reference kernels of `servelab_kernels.attention`, in eager PyTorch.
 
 Once per step `plan` splits the batch into single-query rows (decode, done together over packed
 blocks) and multi-query rows (prefill chunks, done together in one padded SDPA call), packs the
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from core.api import AttentionConfig, AttentionMetadata, KVCacheSpec, hookimpl
-from kernels.attention import (
+from servelab_kernels.attention import (
     PrefillGroup,
     allocate_kv_layer,
     decode_attention,

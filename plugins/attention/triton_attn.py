@@ -1,6 +1,6 @@
 """Attention backends `triton` and `auto`.
 
-`triton`: the Triton kernels of kernels.triton_attention over servelab's head-major KV layout;
+`triton`: the Triton kernels of servelab_kernels.triton_attention over servelab's head-major KV layout;
 decode rows in one launch (split-K), prefill chunks in one launch for the whole batch. A
 decode-only step needs no per-step tensors at all (the kernels read the metadata's block tables
 and lengths directly), so it can be captured in a CUDA graph: capability `cuda_graphs`.
@@ -14,16 +14,16 @@ from __future__ import annotations
 import torch
 
 from core.api import AttentionConfig, AttentionMetadata, KVCacheSpec, hookimpl
-from kernels.attention import allocate_kv_layer
 from plugins.attention.cpu_attn import CPUAttentionConfig
 from plugins.attention.torch_ref import TorchAttention, split_rows
+from servelab_kernels.attention import allocate_kv_layer
 
 
 class TritonAttention:
     capabilities = frozenset({"cuda_graphs"})
 
     def __init__(self, config: AttentionConfig, device=None) -> None:
-        from kernels import triton_attention  # imported here: Triton is optional where it is not used
+        from servelab_kernels import triton_attention  # imported here: Triton is optional where it is not used
 
         self.config, self.kernels, self.max_model_len = config, triton_attention, None
 
@@ -65,9 +65,9 @@ class TritonAttention:
 
 def auto_attention(config: AttentionConfig, device=None):
     """Triton on CUDA; on the CPU the C++ decode kernel when it builds; the torch reference otherwise."""
-    from kernels import cpu_attention
-    from kernels.dispatch import HAVE_TRITON
     from plugins.attention.cpu_attn import CPUAttention
+    from servelab_kernels import cpu_attention
+    from servelab_kernels.dispatch import HAVE_TRITON
 
     device = torch.device(device or "cpu")
     if device.type == "cuda" and HAVE_TRITON:

@@ -12,7 +12,7 @@ in the graph reads the cache outside the op, and each call's output depends on i
 Inductor writes the graph's wrapper in C++ (`cpp_wrapper`), not Python: at batch 1 that took a
 gguf step from 10.5 to 9.5 ms here. Shapes are dynamic in the number of tokens, so one graph
 serves every step size (torch also specializes size 1: batch-1 decode gets its own graph); ops
-that pick a path by the number of rows do it inside one op (kernels.cpu_quant), since a branch
+that pick a path by the number of rows do it inside one op (servelab_kernels.cpu_quant), since a branch
 in the graph would guard on it and recompile under load. Both graphs compile on the first steps
 of those sizes (the engine's warm-up requests cover them); the time each took is logged and kept
 in `compile_s`.

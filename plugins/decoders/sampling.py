@@ -7,8 +7,8 @@ import weakref
 import torch
 
 from core.api import DecoderConfig, DecoderOutput, ScheduledSeq, Sequence, hookimpl
-from kernels import cpu_ops
-from kernels.cpu_ops import use_cpu_ops
+from servelab_kernels import cpu_ops
+from servelab_kernels.cpu_ops import use_cpu_ops
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ from core.api import (
     swap_linears,
     unpermute_qk,
 )
-from kernels.quant import Int4Linear, Int8Linear
+from servelab_kernels.quant import Int4Linear, Int8Linear
 
 BLOCK = 32
 

@@ -24,7 +24,7 @@ from core.api import (
     quantize_tied_embedding,
     swap_linears,
 )
-from kernels.quant import Int4Linear, dequantize_int4, quantize_int4
+from servelab_kernels.quant import Int4Linear, dequantize_int4, quantize_int4
 
 GROUP_SIZES = (32, 64, 128)
 

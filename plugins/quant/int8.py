@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from core.api import QuantConfig, hookimpl, quantize_tied_embedding, swap_linears
-from kernels.quant import Int8Linear
+from servelab_kernels.quant import Int8Linear
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """A decode-only step of a Llama-family model in one C++ call (csrc/cpu_decode.cpp).
 
 At batch 1 a step of the eager CPU forward is mostly Python: SmolLM2's 30 layers make about 400
-kernel calls, and each comes with a module call, the dispatch tests of kernels.linear and
-kernels.cpu_ops and a few views, about 7 of a step's 11 ms on a 2-core EPYC (2026-12-02,
+kernel calls, and each comes with a module call, the dispatch tests of servelab_kernels.linear and
+servelab_kernels.cpu_ops and a few views, about 7 of a step's 11 ms on a 2-core EPYC (2026-12-02,
 `python -m benchmarks.profile_step quant=gguf`). `DecodePlan` holds every layer's weights and
 KV cache and runs the layers in C++, calling the very kernels the eager forward calls, with the
 same inputs, in the same order, through the dispatcher (unboxed: the op handles are looked up
@@ -20,10 +20,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import cpu_ops, cpu_quant, linear
-from kernels.cpp_build import build, namespace
-from kernels.dispatch import _forced
-from kernels.quant import Int4Linear, Int8Linear
+from servelab_kernels import cpu_ops, cpu_quant, linear
+from servelab_kernels.cpp_build import build, namespace
+from servelab_kernels.dispatch import _forced
+from servelab_kernels.quant import Int4Linear, Int8Linear
 
 DENSE, INT4, INT8 = 0, 1, 2  # csrc/cpu_decode.cpp's LinearKind
 
@@ -61,7 +61,7 @@ def unusable(dtype: torch.dtype) -> str | None:
     if _forced.on:
         return "the Triton kernels are forced"
     if not cpu_ops.use_cpu_ops(torch.empty(0, dtype=dtype)):
-        return "the C++ elementwise ops are off (kernels.cpu_ops) or did not build"
+        return "the C++ elementwise ops are off (servelab_kernels.cpu_ops) or did not build"
     return None
 
 

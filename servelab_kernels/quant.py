@@ -1,10 +1,10 @@
 """Weight-only quantized linear layers: INT8 per output channel, INT4 group-wise asymmetric.
 
-Each matmul has fast paths (on the CPU the C++ kernels of kernels.cpu_quant for steps of few
+Each matmul has fast paths (on the CPU the C++ kernels of servelab_kernels.cpu_quant for steps of few
 rows, a bf16 GEMM over the weight dequantized per call for many rows, INT8 on AMX tiles at any
 number of rows where the CPU has them, and PyTorch's packed
 `_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu` where the C++ kernels did not build; on
-CUDA the Triton kernels of kernels.triton_quant, which dequantize inside the matmul) and a torch
+CUDA the Triton kernels of servelab_kernels.triton_quant, which dequantize inside the matmul) and a torch
 reference twin that dequantizes and multiplies; tests hold them together.
 
 INT4 follows the packed kernel's convention: q in 0..15 per weight, per (group, output channel)
@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_quant
-from kernels.dispatch import use_triton
+from servelab_kernels import cpu_quant
+from servelab_kernels.dispatch import use_triton
 
 INT4_INNER_K_TILES = 2  # the CPU packer's tiling: K must be a multiple of 16 * this
 
@@ -54,7 +54,7 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch
     them, else the GEMV for few rows and a GEMM in x's precision over the weight dequantized on the fly
     for many), or aten's packed kernel and a bf16 GEMM where it did not build."""
     if use_triton(x):
-        from kernels.triton_quant import int8_matmul as triton_int8_matmul
+        from servelab_kernels.triton_quant import int8_matmul as triton_int8_matmul
 
         return triton_int8_matmul(x, q, scales)
     if x.device.type == "cpu":
@@ -170,7 +170,7 @@ class Int4Linear(nn.Module):
             self.register_buffer("weight_packed", pack_int4(q))
             self.register_buffer("scales_and_zeros", torch.stack([scales, zeros], dim=-1).to(torch.bfloat16))
         elif self.layout == "nibbles":
-            from kernels.triton_quant import pack_int4_nibbles
+            from servelab_kernels.triton_quant import pack_int4_nibbles
 
             self.register_buffer("weight_packed", pack_int4_nibbles(q))
             self.register_buffer("scales", scales.float())
@@ -247,7 +247,7 @@ class Int4Linear(nn.Module):
             y = int4_matmul(x2, self.weight_packed, self.scales_and_zeros, self.group_size)[:, : self.out_features]
             y = y.to(x.dtype)
         elif self.layout == "nibbles":
-            from kernels.triton_quant import int4_matmul as triton_int4_matmul
+            from servelab_kernels.triton_quant import int4_matmul as triton_int4_matmul
 
             y = triton_int4_matmul(x2.contiguous(), self.weight_packed, self.scales, self.zeros, self.group_size)
         else:

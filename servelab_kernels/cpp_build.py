@@ -1,4 +1,4 @@
-"""Building the C++ CPU kernels under kernels/csrc with torch's cpp_extension, once per machine.
+"""Building the C++ CPU kernels under servelab_kernels/csrc with torch's cpp_extension, once per machine.
 
 Each build is cached under ~/.cache/torch_extensions/servelab-pyXY (or $TORCH_EXTENSIONS_DIR),
 keyed by its source, the CPU's flags and the torch version, so a new CPU kind (or

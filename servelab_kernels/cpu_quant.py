@@ -27,10 +27,10 @@ INT4 layout (`pack_q4`): per output row, the input groups of 32 as 16 bytes each
 inputs 0..15 of the group, high nibbles = inputs 16..31), so one 64-byte load holds 4 groups whose
 halves line up with the activations' two int8 halves; per 4 groups 8 float16: the 4 scales d then
 the 4 offsets m, w = q * d + m (GGUF's Q4_1 as stored; the symmetric-around-8 convention of
-kernels.quant is w = (q - 8) * s + z, so d = s, m = z - 8 s). Rows of many tokens dequantize the
+servelab_kernels.quant is w = (q - 8) * s + z, so d = s, m = z - 8 s). Rows of many tokens dequantize the
 weights to bf16 and use the GEMM (`q4_dequantize`).
 
-Built once per machine (see kernels.cpp_build); without AVX512-VNNI a portable loop computes the
+Built once per machine (see servelab_kernels.cpp_build); without AVX512-VNNI a portable loop computes the
 same sums, and without a compiler `available()` is false and callers keep the aten kernels.
 """
 
@@ -39,8 +39,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.cpp_build import build
-from kernels.dispatch import Switch
+from servelab_kernels.cpp_build import build
+from servelab_kernels.dispatch import Switch
 
 GROUP = 32
 Q16 = 8191  # the INT8 kernel's activations: 14-bit integers, one scale a row
@@ -153,7 +153,7 @@ def q8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.T
 
 
 def q4_1_groups(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int):
-    """kernels.quant's INT4 (q, scales [K/g, N], zeros [K/g, N]) as pack_q4 wants them: per group of
+    """servelab_kernels.quant's INT4 (q, scales [K/g, N], zeros [K/g, N]) as pack_q4 wants them: per group of
     32 a d and an m with w = q * d + m, K zero-padded to a multiple of 64."""
     rep = group_size // GROUP
     d = scales.float().T.repeat_interleave(rep, dim=1)

@@ -1,4 +1,4 @@
-// A decode-only step of a Llama-family model in one call: see kernels/cpu_decode.py.
+// A decode-only step of a Llama-family model in one call: see servelab_kernels/cpu_decode.py.
 //
 // Every layer runs the same kernels the eager forward calls (the C++ norms, rotary, silu-and-
 // multiply, GEMVs, INT4/INT8 matmuls, oneDNN's packed GEMM and the paged decode attention), in
@@ -31,9 +31,9 @@ c10::TypedOperatorHandle<Fn> op(const std::string& name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), "").typed<Fn>();
 }
 
-// How one linear layer of the eager forward computes (kernels/linear.py, kernels/quant.py).
+// How one linear layer of the eager forward computes (servelab_kernels/linear.py, servelab_kernels/quant.py).
 enum LinearKind : int64_t {
-  DENSE = 0,  // kernels.linear.Linear: the GEMV up to gemv_rows (bf16, no bias), else oneDNN's packed
+  DENSE = 0,  // servelab_kernels.linear.Linear: the GEMV up to gemv_rows (bf16, no bias), else oneDNN's packed
               // weight where there is one, else at::linear
   INT4 = 1,   // Int4Linear in the C++ kernel's layout: q4_matmul(x, nibbles, dm)
   INT8 = 2,   // Int8Linear on the C++ kernel: q8_matmul(x, q, scales)
@@ -149,7 +149,7 @@ struct DecodePlan : torch::CustomClassHolder {
     return lin.bias ? y + *lin.bias : y;
   }
 
-  // oneDNN's GEMM over the weight it packed once (kernels.linear.packed_linear); boxed, as aten
+  // oneDNN's GEMM over the weight it packed once (servelab_kernels.linear.packed_linear); boxed, as aten
   // registers it: only steps of more than gemv_rows rows come here, where the GEMM dwarfs the call
   at::Tensor packed_linear(const at::Tensor& x, const Linear& lin) {
     torch::jit::Stack stack;

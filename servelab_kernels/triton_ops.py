@@ -1,4 +1,4 @@
-"""Triton twins of kernels.norm (RMSNorm fused with the residual add) and kernels.rotary."""
+"""Triton twins of servelab_kernels.norm (RMSNorm fused with the residual add) and servelab_kernels.rotary."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Triton twins of kernels.attention: KV store, paged decode attention, paged prefill attention.
+"""Triton twins of servelab_kernels.attention: KV store, paged decode attention, paged prefill attention.
 
 Same arguments as the torch references, same head-major cache layout
 ([num_blocks, kv_heads, block_size, head_dim], an int8 cache with fp16 scales per token and

@@ -1,4 +1,4 @@
-// Weight-only INT4 / INT8 matmuls for few activation rows on the CPU: see kernels/cpu_quant.py.
+// Weight-only INT4 / INT8 matmuls for few activation rows on the CPU: see servelab_kernels/cpu_quant.py.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>

@@ -1,4 +1,4 @@
-// Paged decode attention for the CPU: see kernels/cpu_attention.py.
+// Paged decode attention for the CPU: see servelab_kernels/cpu_attention.py.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
@@ -610,7 +610,7 @@ int64_t read_blocks(torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor 
 }
 
 // New tokens' K and V [T, KVH, D] into a bf16 / fp32 cache [blocks, KVH, BS, D] at their flat
-// slots (block * BS + offset): the twin of kernels.attention.write_kv, one call for both.
+// slots (block * BS + offset): the twin of servelab_kernels.attention.write_kv, one call for both.
 void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
               torch::Tensor slot_mapping) {
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() != torch::kChar,

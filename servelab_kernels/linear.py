@@ -3,7 +3,7 @@
 A decode step at small batch reads every weight once, so its linears run at the rate weights
 stream from memory. oneDNN's bf16 GEMM (what `F.linear` calls) reads them at 11-38 GB/s there on
 2-core AVX-512 EPYCs whose memory gives 50-76, and each call has a fixed cost. `bf16_linear`
-(csrc/cpu_gemv.cpp, built with kernels.cpu_ops) streams each weight row once, prefetched, against
+(csrc/cpu_gemv.cpp, built with servelab_kernels.cpu_ops) streams each weight row once, prefetched, against
 up to 8 activation rows at a time with AVX512-BF16 dot products, summing in fp32 and rounding once
 to bf16 as the GEMM does (the only difference is the order of the sums): 31-57 GB/s at 1 to 8 rows
 on the faster of those machines, 1.5-3.4x oneDNN on SmolLM2's shapes, and a batch-1 decode step
@@ -34,9 +34,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_ops
-from kernels.cpp_build import has_amx, namespace
-from kernels.dispatch import Switch
+from servelab_kernels import cpu_ops
+from servelab_kernels.cpp_build import has_amx, namespace
+from servelab_kernels.dispatch import Switch
 
 # Up to this many rows the GEMV serves: at 16 it still reads 1.05-2.2x faster than oneDNN on every
 # SmolLM2 shape, at 24 the down projection (K = 1536) loses (0.83x) and at 32 the head (reports/gemv).

@@ -1,4 +1,4 @@
-// The eager CPU forward's elementwise ops, one pass each: see kernels/cpu_ops.py.
+// The eager CPU forward's elementwise ops, one pass each: see servelab_kernels/cpu_ops.py.
 //
 // Plain loops the compiler vectorizes (-O3 -march=native, `omp simd` for the reductions), rounded
 // the way their torch twins round: every intermediate their twin stores in the model's dtype is

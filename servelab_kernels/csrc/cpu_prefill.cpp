@@ -1,4 +1,4 @@
-// Paged prefill attention for the CPU: see kernels/cpu_attention.py. Built as one translation unit
+// Paged prefill attention for the CPU: see servelab_kernels/cpu_attention.py. Built as one translation unit
 // after cpu_attention.cpp, whose helpers (to_f, exp16, SERVELAB_AVX512) it uses.
 #include <algorithm>
 #include <atomic>

@@ -1,4 +1,4 @@
-"""Triton twins of the weight-only quantized matmuls in kernels.quant: the weights are read as
+"""Triton twins of the weight-only quantized matmuls in servelab_kernels.quant: the weights are read as
 int8 (or two int4 nibbles a byte) and dequantized inside the matmul, never materialized as floats.
 
 - int8: y = (x @ q^T) * scale[n]; the per-channel scale factors out of the K loop.

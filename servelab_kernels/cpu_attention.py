@@ -1,4 +1,4 @@
-"""Paged decode attention for the CPU in C++: the twin of kernels.attention.decode_attention.
+"""Paged decode attention for the CPU in C++: the twin of servelab_kernels.attention.decode_attention.
 
 One pass over each sequence's blocks, read in place through its block table (no gathered copy,
 the next-but-one block prefetched), for all of a KV head's query heads at once (GQA without
@@ -9,7 +9,7 @@ CPU has them, P.V too); elsewhere a portable loop serves. On CPUs with AMX-BF16 
 (block size a multiple of 16, head_dim a multiple of 64) is read by a tile kernel instead: two
 passes, S = Q.K^T then the exact softmax then P.V, both products on the tiles (`amx_decode`).
 
-Paged prefill (csrc/cpu_prefill.cpp), the twin of kernels.attention.prefill_attention: every
+Paged prefill (csrc/cpu_prefill.cpp), the twin of servelab_kernels.attention.prefill_attention: every
 chunk of a step in one call, causal over its cached prefix, read in place. For a bf16 cache with
 head_dim 64 and AVX512-BF16, a task is a KV head of a tile of 16 queries (their G query heads
 each), handed out longest first; per key tile the keys are transposed once into (d, d+1) pairs,
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-from kernels.cpp_build import build, has_amx, namespace
+from servelab_kernels.cpp_build import build, has_amx, namespace
 
 
 def load(portable: bool = False):
@@ -43,7 +43,7 @@ def load(portable: bool = False):
 
 
 def write_kv(k, v, k_cache, v_cache, slot_mapping, portable=False) -> None:
-    """kernels.attention.write_kv for bf16 and fp32 caches."""
+    """servelab_kernels.attention.write_kv for bf16 and fp32 caches."""
     load(portable).write_kv(k, v, k_cache, v_cache, slot_mapping)
 
 
@@ -94,12 +94,12 @@ def write_and_decode_op() -> str:
 
 def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale=None, v_scale=None, packed=None,
                      portable=False):
-    """Same arguments as kernels.attention.decode_attention (`packed` is not needed here)."""
+    """Same arguments as servelab_kernels.attention.decode_attention (`packed` is not needed here)."""
     return load(portable).paged_decode(q, k_cache, v_cache, block_tables, context_lens, float(scale), k_scale, v_scale)
 
 
 def prefill_attention(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, scale, portable=False):
-    """kernels.attention.prefill_attention over a bf16 / fp32 cache: the chunks read in place, causal
+    """servelab_kernels.attention.prefill_attention over a bf16 / fp32 cache: the chunks read in place, causal
     over their cached prefix (csrc/cpu_prefill.cpp)."""
     return load(portable).paged_prefill(q, k_cache, v_cache, block_tables, context_lens, query_start_loc, float(scale))
 

@@ -1,4 +1,4 @@
-// bf16 x bf16 -> bf16 matmul for steps of few rows: see kernels/linear.py. Built with cpu_ops
+// bf16 x bf16 -> bf16 matmul for steps of few rows: see servelab_kernels/linear.py. Built with cpu_ops
 // (one translation unit: it uses that file's bf16 helpers, load_f and bf16_bits).
 //
 // y[M, N] = x[M, K] . W[N, K]^T with W as nn.Linear stores it. A decode step at small batch reads
@@ -123,7 +123,7 @@ torch::Tensor bf16_linear(torch::Tensor x, torch::Tensor w) {
   return y;
 }
 
-// The same dispatch as kernels/linear.py's `linear`, as one torch op, so that torch.compile's graph
+// The same dispatch as servelab_kernels/linear.py's `linear`, as one torch op, so that torch.compile's graph
 // can call it: the graph's number of rows is symbolic, and a branch on it in Python would guard
 // on it and recompile for every step size. Up to `gemv_rows` rows the GEMV (when this build has
 // the bf16 dot instruction), else the GEMM F.linear calls.

@@ -1,6 +1,6 @@
 // AMX tiles (Sapphire Rapids and later), shared by the kernels that use them (cpu_quant's INT8
 // GEMM, cpu_attention's decode): the tile configuration and the request for the tile state. Built
-// in front of those sources (kernels.cpp_build.build's `prelude`), in the same translation unit.
+// in front of those sources (servelab_kernels.cpp_build.build's `prelude`), in the same translation unit.
 #if defined(__AMX_TILE__) && defined(__AVX512F__) && !defined(SERVELAB_PORTABLE)
 #include <immintrin.h>
 #include <sys/syscall.h>

@@ -1,12 +1,12 @@
 """Rotary position embedding (rotate-half, the Hugging Face layout) of q and k together: the torch
 reference and the dispatch to its Triton twin (CUDA) or its C++ twin (the eager CPU forward,
-kernels.cpu_ops). cos/sin are fp32 tables [max_len, head_dim / 2]."""
+servelab_kernels.cpu_ops). cos/sin are fp32 tables [max_len, head_dim / 2]."""
 
 from __future__ import annotations
 
 import torch
 
-from kernels.dispatch import use_triton
+from servelab_kernels.dispatch import use_triton
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -23,10 +23,10 @@ def rotary_ref(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: t
 def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     half = q.shape[-1] // 2
     if use_triton(q) and half & (half - 1) == 0:  # the kernel wants head_dim / 2 a power of two
-        from kernels.triton_ops import rotary as triton_rotary
+        from servelab_kernels.triton_ops import rotary as triton_rotary
 
         return triton_rotary(q, k, positions, cos, sin)
-    from kernels import cpu_ops
+    from servelab_kernels import cpu_ops
 
     if cpu_ops.use_cpu_ops(q, k) and cos.dtype == sin.dtype == torch.float32:
         return cpu_ops.rotary(q, k, positions.long(), cos, sin)

@@ -11,7 +11,7 @@ def silu_mul_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    from kernels import cpu_ops
+    from servelab_kernels import cpu_ops
 
     if cpu_ops.use_cpu_ops(gate, up):
         return cpu_ops.silu_mul(gate, up)

@@ -12,10 +12,10 @@ and a pass over memory for a few kilobytes of work. Here each is one call and on
 - `argmax`: each row's first maximum, greedy sampling's pick (torch's `max(dim)` reads 64 bf16
   rows of 49,152 logits at about 5 GB/s on one thread).
 
-The same build holds the bf16 GEMV of few-row linears (csrc/cpu_gemv.cpp, used by kernels.linear).
+The same build holds the bf16 GEMV of few-row linears (csrc/cpu_gemv.cpp, used by servelab_kernels.linear).
 
-Each rounds every intermediate its torch twin stores in the model's dtype (kernels.norm,
-kernels.rotary, kernels.activation), so results match the twins exactly for rotary and to the
+Each rounds every intermediate its torch twin stores in the model's dtype (servelab_kernels.norm,
+servelab_kernels.rotary, servelab_kernels.activation), so results match the twins exactly for rotary and to the
 last bit of a row's summation order or of exp for the others (the tests hold them to that).
 `backend.compile=true` keeps the twins, which inductor fuses itself (`use_cpu_ops`).
 """
@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpp_build import build
-from kernels.dispatch import Switch
+from servelab_kernels.cpp_build import build
+from servelab_kernels.dispatch import Switch
 
 DTYPES = (torch.bfloat16, torch.float32)
 _enabled = Switch()
@@ -55,7 +55,7 @@ def disabled():
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
-    """kernels.norm.rms_norm_ref: (normalized, new residual or None)."""
+    """servelab_kernels.norm.rms_norm_ref: (normalized, new residual or None)."""
     shape = x.shape
     rows = x.reshape(-1, shape[-1])
     if residual is None:
@@ -66,7 +66,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
 
 
 def rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """kernels.rotary.rotary_ref: q [tokens, heads, head_dim], k [tokens, kv_heads, head_dim] -> rotated."""
+    """servelab_kernels.rotary.rotary_ref: q [tokens, heads, head_dim], k [tokens, kv_heads, head_dim] -> rotated."""
     module = load()
     return module.rotary(q, positions, cos, sin), module.rotary(k, positions, cos, sin)
 
@@ -77,6 +77,6 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """kernels.activation.silu_mul_ref for rows of gate and up."""
+    """servelab_kernels.activation.silu_mul_ref for rows of gate and up."""
     shape = gate.shape
     return load().silu_mul(gate.reshape(-1, shape[-1]), up.reshape(-1, shape[-1])).view(shape)
