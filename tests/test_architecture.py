@@ -112,6 +112,18 @@ def test_the_engine_never_imports_the_server_or_the_bench():
     assert bad == []
 
 
+def test_no_installed_distribution_ships_a_top_level_package_of_ours():
+    """Our top-level packages are importable names that no other installed distribution may also
+    ship: transformers >= 5.25 imports Hugging Face's `kernels`, which a `kernels/` of ours shadowed
+    from the source tree (and a wheel of ours would overwrite)."""
+    import importlib.metadata
+
+    owners = importlib.metadata.packages_distributions()
+    tops = [p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file() and p.name not in ("tests", "benchmarks")]
+    assert sorted(tops) == sorted((*PACKAGES, "conf"))
+    assert {t: sorted(set(owners.get(t, [])) - {"servelab"}) for t in tops} == {t: [] for t in tops}
+
+
 def test_kernels_import_nothing_of_ours_and_core_no_plugin():
     g = graph()
     assert [(m, d) for m, deps in g.items() if m.startswith("servelab_kernels") for d in deps if not d.startswith("servelab_kernels")] == []
