@@ -22,12 +22,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from servelab_kernels import huge_pages
+
 
 def allocate_kv_layer(num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int, dtype: torch.dtype,
                       device=None) -> tuple[torch.Tensor, ...]:
     """One layer's cache: (k, v), plus (k_scale, v_scale) per token and head when dtype is int8."""
     shape = (num_blocks, num_kv_heads, block_size, head_dim)  # head-major blocks
-    kv = (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+    kv = (huge_pages.zeros(shape, dtype, device), huge_pages.zeros(shape, dtype, device))  # (2 MB pages: see there)
     if dtype == torch.int8:
         kv += (torch.zeros(shape[:3], dtype=torch.float16, device=device),
                torch.zeros(shape[:3], dtype=torch.float16, device=device))

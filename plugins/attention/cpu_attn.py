@@ -27,6 +27,9 @@ class CPUAttentionConfig(AttentionConfig):
     # vector path on a CPU without AMX tiles; else SDPA) | cpp (the C++ kernel) | sdpa (PyTorch's CPU
     # flash attention)
     prefill: str = "auto"
+    # the KV cache on 2 MB pages where Linux gives them (servelab_kernels.huge_pages: fewer TLB misses
+    # on the scattered blocks a decode step reads)
+    huge_pages: bool = True
 
     def __post_init__(self) -> None:  # checked when the config is read, before any model loads
         from core.api import ConfigError

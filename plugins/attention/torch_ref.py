@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from core.api import AttentionConfig, AttentionMetadata, KVCacheSpec, hookimpl
+from servelab_kernels import huge_pages
 from servelab_kernels.attention import (
     PrefillGroup,
     allocate_kv_layer,
@@ -95,8 +96,9 @@ class TorchAttention:
         self.config = config
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int, spec: KVCacheSpec, device) -> list[tuple]:
-        return [allocate_kv_layer(num_blocks, spec.num_kv_heads, block_size, spec.head_dim, spec.dtype, device)
-                for _ in range(spec.num_layers)]
+        with huge_pages.enabled(getattr(self.config, "huge_pages", True)):  # attention.huge_pages (auto, cpu)
+            return [allocate_kv_layer(num_blocks, spec.num_kv_heads, block_size, spec.head_dim, spec.dtype, device)
+                    for _ in range(spec.num_layers)]
 
     def plan(self, meta: AttentionMetadata) -> TorchAttentionPlan:
         return split_rows(meta, pack=self.pack_decodes, group_prefill=True,

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -112,6 +113,37 @@ void rotate(const T* x, int64_t s0, int64_t s1, T* out, int64_t tokens, int64_t 
   });
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__) && !defined(SERVELAB_PORTABLE)
+#include <immintrin.h>
+#define SERVELAB_SILU16 1
+// exp_f on 16 lanes, the same operations in the same order (so the same bits): gcc leaves the
+// scalar loop below at 256 bits and spends about 3 cycles an element there (0.7 ms of a 64-row
+// decode step's 2 in silu_mul on the AMX Xeon); 512-bit lanes take a third of that.
+static inline __m512 exp_f16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_sub_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693145751953125f))),
+                                 _mm512_mul_ps(n, _mm512_set1_ps(1.42860682030941723212e-6f)));
+  __m512 p = _mm512_set1_ps(1.3888889e-3f);
+  for (const float c : {8.3333338e-3f, 4.1666668e-2f, 1.6666667e-1f, 0.5f, 1.f, 1.f})
+    p = _mm512_add_ps(_mm512_set1_ps(c), _mm512_mul_ps(r, p));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+// silu(g) rounded to bf16 (as the twin stores it), times u, rounded: 16 elements of a bf16 row
+static inline void silu_mul16(const at::BFloat16* g, const at::BFloat16* u, at::BFloat16* o, __mmask16 live) {
+  const __m512i gi = _mm512_maskz_cvtepu16_epi32(live, _mm256_maskz_loadu_epi16(live, g));
+  const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(gi, 16));
+  const __m512 ui = _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_maskz_cvtepu16_epi32(live, _mm256_maskz_loadu_epi16(live, u)), 16));
+  const __m512 s = _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.f), exp_f16(_mm512_sub_ps(_mm512_setzero_ps(), v))));
+  const __m512 sb = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(s)), 16));
+  _mm256_mask_storeu_epi16(o, live, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(sb, ui)));
+}
+#endif
+
 template <typename T>
 void silu_mul_rows(const T* gate, int64_t g_stride, const T* up, int64_t u_stride, T* out, int64_t rows,
                    int64_t n) {
@@ -120,6 +152,13 @@ void silu_mul_rows(const T* gate, int64_t g_stride, const T* up, int64_t u_strid
       const T* g = gate + i * g_stride;
       const T* u = up + i * u_stride;
       T* o = out + i * n;
+#ifdef SERVELAB_SILU16
+      if constexpr (std::is_same_v<T, at::BFloat16>) {
+        for (int64_t j = 0; j < n; j += 16)
+          silu_mul16(g + j, u + j, o + j, n - j >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (n - j)) - 1));
+        continue;
+      }
+#endif
 #pragma omp simd
       for (int64_t j = 0; j < n; ++j) {
         const float v = load_f(g, j);
