@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from servelab_kernels import attention as ref
-from servelab_kernels import cpu_attention
+from servelab_kernels import cpu_attention, huge_pages
 
 CASES = [(1, 2048, torch.bfloat16), (16, 512, torch.bfloat16), (64, 256, torch.bfloat16), (64, 640, torch.bfloat16),
          (64, 1024, torch.bfloat16), (128, 640, torch.bfloat16), (64, 1024, torch.int8)]
@@ -66,7 +66,8 @@ class ColdCaches:
     """`sets` disjoint block tables for `b` sequences of `ctx` tokens, drawn at random from one pool
     of K and V blocks, together at least `span` bytes; each call takes the next set."""
 
-    def __init__(self, b: int, ctx: int, dtype, span: int, bs: int = 16, kvh: int = 3, d: int = 64):
+    def __init__(self, b: int, ctx: int, dtype, span: int, bs: int = 16, kvh: int = 3, d: int = 64,
+                 huge: bool = True):
         g = torch.Generator().manual_seed(0)
         nb = -(-ctx // bs)
         block_bytes = 2 * kvh * bs * d * (1 if dtype == torch.int8 else 2)
@@ -78,6 +79,8 @@ class ColdCaches:
         else:
             self.kc, self.scales = torch.randn(pool, kvh, bs, d, generator=g).to(dtype), ()
         self.vc = torch.randn(pool, kvh, bs, d, generator=g).to(dtype) if dtype != torch.int8 else self.kc.flip(0)
+        with huge_pages.enabled(huge):  # on 2 MB pages where the engine's caches are (attention.huge_pages)
+            self.kc, self.vc = (huge_pages.zeros(t.shape, t.dtype).copy_(t) for t in (self.kc, self.vc))
         self.tables = list(torch.randperm(pool, generator=g).view(self.sets, b, nb))
         self.lens = torch.full((b,), ctx)
         self.q = torch.randn(b, 9, d, generator=g).bfloat16()
@@ -146,9 +149,24 @@ def case(b: int, ctx: int, dtype, probe: torch.Tensor, span: int) -> list[dict]:
         rows.append({"sequences": b, "context": ctx, "kv": "int8" if dtype == torch.int8 else "bf16",
                      "implementation": name, "cold_sets": c.sets, **cold, "gbs": c.kv_bytes / cold["ms"] / 1e6,
                      "resident_gbs": c.kv_bytes / resident / 1e6})
+    default = "C++ AMX tiles (attention=cpu, the default here)" if any(r["implementation"].startswith("C++ AMX")
+                                                                      for r in rows) else "C++ vector (attention=cpu)"
+    rows.append(plain_pages(b, ctx, dtype, probe, span, default))
     for row in rows:
         row["share_of_floor"] = floor_ms / row["ms"] if floor_ms else None
     return rows
+
+
+def plain_pages(b: int, ctx: int, dtype, probe: torch.Tensor, span: int, name: str) -> dict:
+    """The default kernel over caches on 4 KB pages (`attention.huge_pages=false`)."""
+    c = ColdCaches(b, ctx, dtype, span, huge=False)
+    amx = name.startswith("C++ AMX")
+    call = implementations(c)[name]
+    with cpu_attention.amx_decode(amx):
+        cold = side_by_side(call, c.kv_bytes, probe, max(CALLS, min(c.sets, 64)))
+    return {"sequences": b, "context": ctx, "kv": "int8" if dtype == torch.int8 else "bf16",
+            "implementation": name.split(" (")[0] + " on 4 KB pages (attention.huge_pages=false)", "cold_sets": c.sets,
+            **cold, "gbs": c.kv_bytes / cold["ms"] / 1e6, "resident_gbs": None}
 
 
 PREFILL_CASES = [(0, 512), (800, 224), (1024, 512), (0, 2048)]  # (cached prefix, chunk) of one sequence
@@ -220,7 +238,8 @@ def main(argv=None) -> int:
     probe = torch.ones(max(2 * llc, 512 << 20) // 4)
     lines = [f"# Decode attention against the KV-read floor\n\n- machine: {rates['cpu']}, {rates['cores']} cores, "
              f"torch {rates['torch']}, last-level cache {llc / 2**20:.0f} MB; SmolLM2 geometry (9 heads, 3 KV heads, "
-             "head_dim 64), blocks of 16 scattered over a pool\n"
+             "head_dim 64), blocks of 16 scattered over a pool, on 2 MB pages where Linux gives them (as the engine's "
+             f"caches, `attention.huge_pages`: here {huge_pages.mode()} THP), the default kernel once more on 4 KB pages\n"
              f"- cold: each call reads blocks no recent call read (the calls cycle through block tables over a pool of "
              f"{span / 2**20:.0f} MB, twice the LLC), as a model's 30 layers of caches are read; resident: one cache "
              "re-read (the kernel's compute ceiling, not a figure an engine sees)\n"
@@ -236,8 +255,9 @@ def main(argv=None) -> int:
         results += rows
         for r in rows:
             floor = f"{r['share_of_floor'] * 100:.0f} %" if r["share_of_floor"] else "-"
+            resident = "-" if r["resident_gbs"] is None else f"{r['resident_gbs']:.1f}"
             lines.append(f"| {b} x {ctx} {r['kv']} | {r['implementation']} | {r['ms']:.2f} | {r['gbs']:.1f} | "
-                         f"{r['probe_gbs']:.1f} | {r['share_of_probe'] * 100:.0f} % | {floor} | {r['resident_gbs']:.1f} |")
+                         f"{r['probe_gbs']:.1f} | {r['share_of_probe'] * 100:.0f} % | {floor} | {resident} |")
         print("\n".join(lines[-len(rows):]), flush=True)
     section = prefill_section()
     prefill = section[-len(PREFILL_CASES):]

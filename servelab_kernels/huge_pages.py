@@ -70,20 +70,36 @@ def zeros(shape, dtype: torch.dtype, device=None) -> torch.Tensor:
     return torch.zeros(shape, dtype=dtype, device=device)
 
 
-def huge_bytes(t: torch.Tensor) -> int:
-    """Bytes of t's memory that sit on huge pages now (Linux: the AnonHugePages of its mappings in
-    /proc/self/smaps), for tests and reports; 0 elsewhere."""
+def _mappings(t: torch.Tensor) -> list[dict[str, str]]:
+    """The /proc/self/smaps entries (field -> value) of the mappings that hold t's memory (Linux;
+    none elsewhere)."""
     start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
-    total, inside = 0, False
     try:
         lines = Path("/proc/self/smaps").read_text().splitlines()
     except OSError:
-        return 0
+        return []
+    found, entry = [], None
     for line in lines:
-        head = line.split()[0]
+        head, _, rest = line.partition(" ")
         if "-" in head and not head.endswith(":"):
             lo, hi = (int(x, 16) for x in head.split("-"))
-            inside = lo < end and hi > start
-        elif inside and head == "AnonHugePages:":
-            total += int(line.split()[1]) * 1024
-    return total
+            entry = {} if lo < end and hi > start else None
+            if entry is not None:
+                found.append(entry)
+        elif entry is not None:
+            entry[head.rstrip(":")] = rest.strip()
+    return found
+
+
+def huge_bytes(t: torch.Tensor) -> int:
+    """Bytes on huge pages now in the mappings that hold t's memory (their AnonHugePages), for
+    reports. The kernel merges neighbouring mappings of the same kind, and in `always` mode any
+    large region may get them, so this can count neighbours too: a figure, not a test of t."""
+    return sum(int(m.get("AnonHugePages", "0 kB").split()[0]) * 1024 for m in _mappings(t))
+
+
+def advised(t: torch.Tensor) -> bool:
+    """Whether every mapping that holds t's memory was advised MADV_HUGEPAGE (the "hg" of its
+    VmFlags): what `zeros` asked for, whatever the rest of the process's memory holds."""
+    found = _mappings(t)
+    return bool(found) and all("hg" in m.get("VmFlags", "").split() for m in found)
