@@ -16,7 +16,8 @@ this machine's bandwidth moves by 1.5x within minutes on shared hosts) and `read
 scattered rows read by the same threads with no arithmetic (the access pattern's own ceiling).
 Each case alternates rounds of the kernel with rounds of the probe and reports the median of the
 per-round ratios; the resident column is the kernel re-reading one cache (its compute ceiling).
-Writes reports/decode-attention/report.{md,json}.
+Writes reports/decode-attention/report.{md,json}; `--block-sizes` instead times the default kernel
+and the floor at blocks of 16 to 128 tokens (`cache.block_size`), `--out` naming the report.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ class ColdCaches:
     def __init__(self, b: int, ctx: int, dtype, span: int, bs: int = 16, kvh: int = 3, d: int = 64,
                  huge: bool = True):
         g = torch.Generator().manual_seed(0)
+        self.bs = bs
         nb = -(-ctx // bs)
         block_bytes = 2 * kvh * bs * d * (1 if dtype == torch.int8 else 2)
         self.sets = max(2, -(-span // (b * nb * block_bytes)))
@@ -113,7 +115,7 @@ def side_by_side(call, kv_bytes: int, probe: torch.Tensor, calls: int) -> dict:
 def implementations(c: ColdCaches) -> dict:
     """name -> a call over the next cold set; a falsy entry where the implementation does not run here."""
     q, lens, s = c.q, c.lens, c.scales
-    packs = {id(table): ref.pack_decode_blocks(table, lens, 16) for table in c.tables}  # outside the timed calls
+    packs = {id(table): ref.pack_decode_blocks(table, lens, c.bs) for table in c.tables}  # outside the timed calls
 
     def reference():
         table = c.take()
@@ -215,12 +217,62 @@ def prefill_section() -> list[str]:
             "|---|---|---|---|---|---|---|"] + rows
 
 
+BLOCK_SIZES, BLOCK_CASES = (16, 32, 64, 128), [(64, 256), (64, 640), (16, 512)]
+
+
+def block_size_section(probe: torch.Tensor, span: int) -> tuple[list[str], list[dict]]:
+    """The default kernel and the read floor over cold bf16 caches of each block size: a block is
+    kv_heads runs of block_size x head_dim contiguous values (2 KB at 16 for SmolLM2), and a decode
+    step reads every run of every block its sequences hold. The block sizes alternate within each
+    round, so their ratio to blocks of 16 is taken side by side (the probe moves by 1.5x within
+    minutes on shared hosts)."""
+    rows, out = [], []
+    for b, ctx in BLOCK_CASES:
+        caches = {bs: ColdCaches(b, ctx, torch.bfloat16, span, bs=bs) for bs in BLOCK_SIZES}
+        calls = {bs: implementations(c) for bs, c in caches.items()}
+        name = next(n for n in ("C++ AMX tiles (attention=cpu, the default here)", "C++ vector (attention=cpu)")
+                    if calls[16].get(n))
+        floor_name = "read floor (read_blocks: the same reads, no arithmetic)"
+        n = {bs: max(CALLS, min(c.sets, 64)) for bs, c in caches.items()}
+        for bs in BLOCK_SIZES:
+            calls[bs][name](), calls[bs][floor_name]()
+        times = {bs: {"kernel": [], "floor": []} for bs in BLOCK_SIZES}
+        bws = []
+        for _ in range(ROUNDS):
+            bws.append(probe.numel() * probe.element_size() / median_seconds(probe.sum, 3) / 1e9)
+            for bs in BLOCK_SIZES:
+                times[bs]["kernel"].append(median_seconds(calls[bs][name], n[bs]))
+                times[bs]["floor"].append(median_seconds(calls[bs][floor_name], n[bs]))
+        bw = statistics.median(bws)
+        for bs in BLOCK_SIZES:
+            kv = caches[bs].kv_bytes
+            ratios = sorted(a / t for a, t in zip(times[16]["kernel"], times[bs]["kernel"]))
+            ms, floor_ms = (statistics.median(times[bs][k]) for k in ("kernel", "floor"))
+            r = {"sequences": b, "context": ctx, "block_size": bs, "implementation": name, "ms": ms * 1e3,
+                 "gbs": kv / ms / 1e9, "floor_ms": floor_ms * 1e3, "floor_gbs": kv / floor_ms / 1e9, "probe_gbs": bw,
+                 "speedup_vs_16": statistics.median(ratios), "speedup_range": [ratios[0], ratios[-1]]}
+            out.append(r)
+            rows.append(f"| {b} x {ctx} | {bs} | {name.split(' (')[0]} {r['ms']:.2f} | {r['gbs']:.1f} | "
+                        f"{r['floor_ms']:.2f} | {r['floor_gbs']:.1f} | {bw:.1f} | {r['speedup_vs_16']:.2f}x "
+                        f"({ratios[0]:.2f}-{ratios[-1]:.2f}) |")
+            print(rows[-1], flush=True)
+    return ["\n## Block size (`cache.block_size`)\n",
+            "The default kernel and the read floor over cold bf16 caches of each block size; a block holds each "
+            f"KV head's block_size x 64 values contiguous, so larger blocks read longer runs. {ROUNDS} rounds, the "
+            "block sizes alternating within each; medians over the rounds, the ratio to blocks of 16 taken round "
+            "by round (its range in brackets).\n",
+            "| sequences x context | block size | kernel ms | kernel GB/s | read floor ms | floor GB/s | probe GB/s "
+            "| kernel vs blocks of 16 |", "|---|---|---|---|---|---|---|---|"] + rows, out
+
+
 def main(argv=None) -> int:
     from core.bench.roofline import machine_rates
 
     ap = argparse.ArgumentParser(prog="python -m benchmarks.decode_attention")
     ap.add_argument("--out", default="reports/decode-attention")
     ap.add_argument("--prefill-only", action="store_true", help="only the prefill table (a minute)")
+    ap.add_argument("--block-sizes", action="store_true",
+                    help="only the block-size table (decode at blocks of 16 to 128; a few minutes)")
     args = ap.parse_args(argv)
     rates = machine_rates()
     out = Path(args.out)
@@ -236,6 +288,18 @@ def main(argv=None) -> int:
     llc = llc_bytes()
     span = max(2 * llc, 256 << 20)
     probe = torch.ones(max(2 * llc, 512 << 20) // 4)
+    if args.block_sizes:
+        section, rows = block_size_section(probe, span)
+        lines = [f"# Decode attention by KV block size\n\n- machine: {rates['cpu']}, {rates['cores']} cores, torch "
+                 f"{rates['torch']}, last-level cache {llc / 2**20:.0f} MB; SmolLM2 geometry, caches on 2 MB pages "
+                 f"({huge_pages.mode()} THP), read cold as in reports/decode-attention; {ROUNDS} rounds a row beside the "
+                 "probe\n- made by `python -m benchmarks.decode_attention --block-sizes`"] + section
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "report.md").write_text("\n".join(lines) + "\n")
+        (out / "report.json").write_text(json.dumps({"machine": rates, "llc_bytes": llc, "cold_span_bytes": span,
+                                                     "block_sizes": rows}, indent=2))
+        print("\n".join(lines))
+        return 0
     lines = [f"# Decode attention against the KV-read floor\n\n- machine: {rates['cpu']}, {rates['cores']} cores, "
              f"torch {rates['torch']}, last-level cache {llc / 2**20:.0f} MB; SmolLM2 geometry (9 heads, 3 KV heads, "
              "head_dim 64), blocks of 16 scattered over a pool, on 2 MB pages where Linux gives them (as the engine's "

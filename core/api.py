@@ -17,6 +17,7 @@ from core.config.schema import (
     SchedulerConfig,
 )
 from core.engine.components import load_weights
+from core.engine.defaults import BLOCK_SIZE
 from core.engine.hardware import HardwareProfile, StepTime, StepTimeModel, weight_bytes_per_param
 from core.engine.interfaces import (
     AttentionBackend,
@@ -75,7 +76,7 @@ __all__ = [
     "AttentionMetadata", "CacheStats", "DecoderOutput", "KVCacheSpec", "ModelInput", "RequestRecord",
     "RequestTimings", "SamplingParams", "ScheduledSeq", "SchedulerOutput", "Sequence", "SequenceStatus", "StepStats",
     # base classes and helpers
-    "QueueScheduler", "stop_status", "SchedulerContext", "StepCostModel", "StepShape", "make_record", "DTYPES", "kv_memory_budget",
+    "QueueScheduler", "stop_status", "SchedulerContext", "StepCostModel", "StepShape", "make_record", "DTYPES", "kv_memory_budget", "BLOCK_SIZE",
     "calibration_prompts", "capture_linear_inputs", "quantize_tied_embedding", "swap_linears",
     "PERMUTED_ARCHS", "gguf_to_hf_name", "unpermute_qk",
     # a second model beside the engine's (speculative drafts): its forward, inputs and weights

@@ -64,3 +64,23 @@ def test_a_bench_rate_sweep_groups_its_stages_by_offered_rate():
     assert list(caps) == ["chat_longtail users=2"]
     assert caps["chat_longtail users=2"]["capacity_req_s"] == 1.0  # 2 users x 0.5 req/s each
     assert caps["chat_longtail users=2"]["output_tok_s_at_capacity"] == 5.0
+
+
+def test_the_fastest_service_in_a_sweep_bounds_every_capacity():
+    from core.bench.capacity import capacity_markdown, service_ceiling
+
+    def run(system, rate, served, attained, rejected=0, floor_s=20.0):
+        return {"label": f"{system} workload.rate={rate}", "config": {"workload": {"arrival": "poisson", "rate": rate}},
+                "workload": {"num_requests": 80}, "roofline": {"workload_floor": {"time_s": floor_s}},
+                "summary": {"req_s": served, "rejected": rejected, "slo": {"attained": attained, "ttft_s": 3.0, "tpot_s": 0.15},
+                            "output_tok_s": 100 * served, "goodput_req_s": served * attained, "ttft_s": {}, "tpot_s": {}}}
+
+    rs = [run("a", 1, 0.98, 1.0), run("a", 2, 1.8, 0.95), run("a", 4, 2.0, 0.5),
+          run("b", 1, 0.97, 1.0), run("b", 4, 2.4, 0.8, rejected=9, floor_s=10.0)]  # b's floor: what it served
+    c = service_ceiling(rs)
+    assert c["label"] == "b workload.rate=4" and c["served_req_s"] == 2.4
+    assert c["capacity_bound_req_s"] == pytest.approx(2.4 / 0.9)
+    assert c["roofline_req_s"] == pytest.approx(80 / 20.0)  # from the runs that refused none
+    md = "\n".join(capacity_markdown(rs))
+    assert "at most 2.67 req/s" in md and "the best here, 2 req/s, is 75% of that" in md
+    assert service_ceiling([run("a", 1, 1.0, 1.0)]) is None  # one rate: no sweep

@@ -79,6 +79,25 @@ def test_the_step_budget_defaults_per_device(overrides, budget):
     assert engine_config(compose(overrides)).scheduler.max_num_batched_tokens == budget
 
 
+@pytest.mark.parametrize("overrides, block_size", [
+    ([], 64),  # the engine on this machine's CPU: longer contiguous runs per block for the decode kernel
+    (["backend=simulator", "hardware=h100-80gb", "model=llama-3.1-8b"], 16),  # a simulated GPU
+    (["cache.block_size=32"], 32),  # a value given wins
+])
+def test_the_kv_block_size_defaults_per_device(overrides, block_size):
+    assert engine_config(compose(overrides)).cache.block_size == block_size
+
+
+def test_an_allocator_built_in_code_takes_the_device_s_block_size():
+    from core.api import KVCacheSpec
+    from plugins.cache.paged import PagedAllocator, PagedCacheConfig
+
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=1, head_dim=8, dtype=torch.float32, max_model_len=256)
+    assert PagedAllocator(PagedCacheConfig(name="paged", memory_gb=0.001), spec, 4).block_size == 64
+    with pytest.raises(ConfigError, match="cache.block_size must be positive, got 0"):
+        PagedAllocator(PagedCacheConfig(name="paged", memory_gb=0.001, block_size=0), spec, 4)
+
+
 def test_a_simulated_cpu_gets_the_cpu_step_budget():
     from dataclasses import replace
 

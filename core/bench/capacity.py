@@ -69,6 +69,45 @@ def capacities(results: list[dict]) -> dict[str, dict]:
     return out
 
 
+def service_ceiling(results: list[dict]) -> dict | None:
+    """What bounds every capacity in a sweep: a capacity of r needs ATTAINMENT * r requests a second
+    served within the targets, so a configuration that serves no faster than the fastest run here
+    cannot pass that run's served rate / ATTAINMENT, whatever it schedules. With the runs' roofline
+    (the workload at the machine's measured peak) also the rate the machine could serve at best.
+    None when the results hold no sweep."""
+    swept = [r for rs in groups(results).values() for r in rs]
+    if not swept:
+        return None
+    best = max(swept, key=lambda r: r["summary"]["req_s"])
+    served = best["summary"]["req_s"]
+    out = {"served_req_s": served, "label": best["label"], "offered_req_s": offered_rate(best),
+           "capacity_bound_req_s": served / ATTAINMENT, "roofline_req_s": None}
+    # the floor of the whole workload: a run that refused requests has one of what it served only
+    rates = sorted(r["workload"]["num_requests"] / f["time_s"] for r in swept
+                   if not r["summary"].get("rejected") and r.get("workload", {}).get("num_requests")
+                   and (f := (r.get("roofline") or {}).get("workload_floor")) and f.get("time_s"))
+    if rates:
+        out["roofline_req_s"] = rates[len(rates) // 2]
+    return out
+
+
+def _ceiling_markdown(results: list[dict], caps: dict[str, dict]) -> list[str]:
+    c = service_ceiling(results)
+    if not c:
+        return []
+    best_cap = max((v["capacity_req_s"] or 0.0 for v in caps.values()), default=0.0)
+    line = (f"What bounds these capacities: the fastest any run here served was {c['served_req_s']:.3g} req/s "
+            f"(`{c['label']}`). A capacity of r needs {ATTAINMENT:.0%} of r served within both targets, so a "
+            f"configuration serving no faster has a capacity of at most {c['capacity_bound_req_s']:.3g} req/s "
+            f"whatever it schedules; " + (f"the best here, {best_cap:g} req/s, is {best_cap / c['capacity_bound_req_s']:.0%} "
+                                          "of that." if best_cap else "none here met the targets at any rate tested."))
+    if c["roofline_req_s"]:
+        line += (f" At its roofline (every step at the measured peak) this machine would serve "
+                 f"{c['roofline_req_s']:.3g} req/s of this workload: the fastest run is "
+                 f"{c['served_req_s'] / c['roofline_req_s']:.0%} of it.")
+    return [line, ""]
+
+
 def _ms(x) -> str:
     return "-" if x is None else f"{x * 1000:.0f}"
 
@@ -95,7 +134,8 @@ def capacity_markdown(results: list[dict]) -> list[str]:
         tok = "-" if c["output_tok_s_at_capacity"] is None else f"{c['output_tok_s_at_capacity']:.1f}"
         lines.append(f"| {system} | {cap} | {interp}{'' if c['bounded'] else ' (not reached)'} | "
                      f"{c['first_miss_req_s'] or '-'} | {tok} | {ratio} |")
-    lines += ["", "### Goodput against offered rate", "",
+    lines += [""] + _ceiling_markdown(results, caps)
+    lines += ["### Goodput against offered rate", "",
               "| configuration | offered (req/s) | served (req/s) | refused | attained | goodput (req/s) | output tok/s "
               "| TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) |", "|---|---|---|---|---|---|---|---|---|"]
     for system, rs in by_system.items():

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from core.bench import plots as plotting
-from core.bench.capacity import capacities, capacity_markdown, step_cost_markdown
+from core.bench.capacity import capacities, capacity_markdown, service_ceiling, step_cost_markdown
 from core.bench.system_md import parallel_md, simulated_md
 from core.config.schema import RunConfig
 
@@ -245,7 +245,8 @@ def write_comparison(results: list[dict], name: str, rc: RunConfig) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     images = plotting.run_plots(results, out) if rc.plots else []
     write_runs_json(out, {"name": name, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "report_version": VERSION,
-                          "slo_capacity": capacities(results)}, "runs", results)
+                          "slo_capacity": capacities(results), "service_ceiling": service_ceiling(results)},
+                    "runs", results)
     (out / "report.md").write_text(comparison_markdown(results, images))
     return out
 
@@ -287,6 +288,7 @@ def write_curve(results: list[dict], name: str, rc: RunConfig) -> Path:
     knee = find_knee(results)
     images = (plotting.run_plots(results, out) + [plotting.load_curve(results, out / "load_curve.png")]) if rc.plots else []
     write_runs_json(out, {"name": name, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "report_version": VERSION,
-                          "knee": knee, "slo_capacity": capacities(results)}, "stages", results)
+                          "knee": knee, "slo_capacity": capacities(results),
+                          "service_ceiling": service_ceiling(results)}, "stages", results)
     (out / "report.md").write_text(curve_markdown(results, images, knee))
     return out

@@ -68,7 +68,8 @@ def typed(config: EngineConfig, registry: Registry) -> EngineConfig:
     """The same config with each component section as its plugin's dataclass (for configs built
     in code from the base classes)."""
     config = dataclasses.replace(config, **{k: component_config(registry, k, getattr(config, k)) for k in ENGINE_KINDS})
-    if config.scheduler.max_num_batched_tokens is None or config.model.dtype == "auto":
+    if (config.scheduler.max_num_batched_tokens is None or config.model.dtype == "auto"
+            or getattr(config.cache, "block_size", 0) is None):
         fill_device_defaults(config, is_simulated(config, registry))
     return config
 

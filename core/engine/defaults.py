@@ -15,6 +15,14 @@ from servelab_kernels.cpp_build import cpu_features as cpu_feature_flags  # (tes
 # for 0.94x the output (reports/chunk-budget-chat_longtail); on a GPU 1,024 tokens take milliseconds.
 STEP_BUDGET = {"cpu": 256, "cuda": 1024}
 
+# Tokens per KV block when `cache.block_size` is null. A block holds each KV head's block_size x
+# head_dim values contiguous (2 KB at 16 for SmolLM2), and a CPU decode step reads every run of every
+# block its sequences hold: longer runs read nearer the streaming rate (`python -m
+# benchmarks.decode_attention --block-sizes`), and decode_heavy served 1.03-1.05x the output tokens at
+# 64 against 16 in two alternating pairs (reports/block-size-decode_heavy). A GPU's kernels (and the
+# Triton ones here) are tuned for 16, which also keeps prefix-cache hits fine-grained.
+BLOCK_SIZE = {"cpu": 64, "cuda": 16}
+
 # CPU features with which bf16 matmuls run in hardware. Without them (AVX2-only x86, such as AMD
 # EPYC Zen 3) torch 2.13 runs a bf16 linear of 64 x 576 x 1,536 at about 19 GFLOP/s against 120 in
 # fp32, and a bf16 `mm` at about 1 GFLOP/s, so `auto` takes fp32 there.
@@ -56,6 +64,11 @@ def default_step_budget(ec: EngineConfig, simulated: bool) -> int:
     return STEP_BUDGET["cpu" if on_cpu(ec, simulated) else "cuda"]
 
 
+def default_block_size(ec: EngineConfig, simulated: bool) -> int:
+    """Tokens per KV block for the device the engine runs on (a simulated GPU keeps the GPU's)."""
+    return BLOCK_SIZE["cpu" if on_cpu(ec, simulated) else "cuda"]
+
+
 def default_dtype(ec: EngineConfig, simulated: bool) -> str:
     """bf16 where the device computes it natively, else fp32. A simulated GPU profile is bf16; the
     simulator's `cpu` profile is this machine's CPU."""
@@ -66,10 +79,12 @@ def default_dtype(ec: EngineConfig, simulated: bool) -> str:
 
 
 def fill_device_defaults(ec: EngineConfig, simulated: bool) -> None:
-    """A null `scheduler.max_num_batched_tokens` and `model.dtype=auto` become the device's
-    defaults; values the config gives stay."""
+    """A null `scheduler.max_num_batched_tokens`, a null `cache.block_size` (of a cache that has one)
+    and `model.dtype=auto` become the device's defaults; values the config gives stay."""
     if ec.scheduler.max_num_batched_tokens is None:
         ec.scheduler.max_num_batched_tokens = default_step_budget(ec, simulated)
+    if hasattr(ec.cache, "block_size") and ec.cache.block_size is None:
+        ec.cache.block_size = default_block_size(ec, simulated)
     if ec.model.dtype == "auto":
         ec.model.dtype = default_dtype(ec, simulated)
 

@@ -15,14 +15,14 @@ import logging
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-from core.api import CacheConfig, CacheStats, ConfigError, KVCacheSpec, Sequence, hookimpl, kv_memory_budget
+from core.api import BLOCK_SIZE, CacheConfig, CacheStats, ConfigError, KVCacheSpec, Sequence, hookimpl, kv_memory_budget
 
 log = logging.getLogger("servelab")
 
 
 @dataclass
 class PagedCacheConfig(CacheConfig):
-    block_size: int = 16
+    block_size: int | None = None  # None: the device's (BLOCK_SIZE: 64 on the CPU, 16 on a GPU)
     memory_utilization: float | None = None  # vLLM's gpu_memory_utilization; None: 0.2 (CPU), 0.9 (GPU)
     enable_prefix_caching: bool = True
 
@@ -46,7 +46,10 @@ class PagedAllocator:
     def __init__(self, config: PagedCacheConfig, spec: KVCacheSpec, max_num_seqs: int, device="cpu",
                  reserved_bytes: int = 0) -> None:
         self.spec = spec
+        # (an engine's config has it filled in; an allocator built in code takes the device's here)
         self.block_size = config.block_size
+        if self.block_size is None:
+            self.block_size = BLOCK_SIZE["cuda" if str(device).startswith("cuda") else "cpu"]
         if self.block_size <= 0:
             raise ConfigError(f"cache.block_size must be positive, got {self.block_size}")
         self.enable_prefix_caching = config.enable_prefix_caching
