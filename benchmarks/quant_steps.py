@@ -5,8 +5,9 @@ model, three step shapes: 64 decodes; 64 decodes plus a fresh 192-token prompt p
 same step (256 tokens: the CPU's default step budget, the steps `chat_longtail` is made of); one
 decode (batch 1). Rounds alternate between the engines, so the machine's drift falls on all of
 them; the report gives each one's median step time and the median and range of its per-round speed
-against the unquantized model (> 1: faster). On CPUs with AMX-INT8 `int8` also runs without its AMX GEMM
-(`int8 (no AMX)`, servelab_kernels.cpu_quant.amx_tiles(False)), the path other CPUs take, side by side. A whole `compare` runs its configurations one after the other, and on
+against the unquantized model (> 1: faster). Where many-row INT8 steps run an integer GEMM (AMX tiles,
+or oneDNN's INT8 GEMM on AVX512-VNNI), `int8` also runs without it (`int8 (dequantized GEMM)`,
+servelab_kernels.cpu_quant.int_gemm(False): the weight dequantized to bf16 for each call), side by side. A whole `compare` runs its configurations one after the other, and on
 a shared 2-core machine their order can move a 5 % ratio. Writes reports/quant-steps/report.{md,json}.
 """
 
@@ -40,14 +41,14 @@ def alternating(steps: dict, n: int) -> dict:
     return out
 
 
-NO_AMX = " (no AMX)"  # an INT8 engine stepped with servelab_kernels.cpu_quant.amx_tiles(False): the path CPUs without AMX take
+NO_INT = " (dequantized GEMM)"  # an INT8 engine stepped with servelab_kernels.cpu_quant.int_gemm(False)
 
 
 def variants(quants: list[str]) -> list[str]:
-    """The quantizers to run; on CPUs with AMX-INT8, `int8` also without its AMX GEMM, side by side."""
+    """The quantizers to run; where INT8 has an integer GEMM, `int8` also without it, side by side."""
     from servelab_kernels import cpu_quant
 
-    extra = [q + NO_AMX for q in quants if q == "int8" and cpu_quant.amx_ready()]
+    extra = [q + NO_INT for q in quants if q == "int8" and cpu_quant.int_gemm_ready()]
     return quants + extra
 
 
@@ -56,14 +57,14 @@ def measure(quants: list[str]) -> tuple[dict, str]:
     from servelab_kernels import cpu_quant
 
     names = ["none"] + quants
-    overrides = {q: [f"quant={q.removesuffix(NO_AMX)}"] for q in names}
+    overrides = {q: [f"quant={q.removesuffix(NO_INT)}"] for q in names}
 
-    def stepper(engine, q):  # the engine's step, with the AMX GEMM off for the NO_AMX variant
-        if not q.endswith(NO_AMX):
+    def stepper(engine, q):  # the engine's step, with the integer GEMM off for the NO_INT variant
+        if not q.endswith(NO_INT):
             return engine.step
 
         def step():
-            with cpu_quant.amx_tiles(False):
+            with cpu_quant.int_gemm(False):
                 engine.step()
         return step
 
@@ -107,8 +108,9 @@ def main(argv=None) -> int:
     md = (f"# Quantized weights against bf16, in real engine steps\n\n"
           f"- machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}\n"
           f"- engines: the default (continuous + paged, model.dtype=auto: {dtype}) on the embedded model, one "
-          f"per quantizer (`none` is the unquantized model; `{NO_AMX.strip()}`: INT8 stepped without its AMX GEMM, "
-          f"as CPUs without AMX-INT8 run it); {ROUNDS} rounds, alternating\n"
+          f"per quantizer (`none` is the unquantized model; `{NO_INT.strip()}`: INT8 stepped without its integer "
+          f"GEMM, the weight dequantized to bf16 for each many-row call, as CPUs without AMX or AVX512-VNNI run it); "
+          f"{ROUNDS} rounds, alternating\n"
           f"- made by `python -m benchmarks.quant_steps`\n\n" + "\n".join(rows) + "\n")
     write_report(args.out, md, {"machine": m, "rounds": ROUNDS, "cases": cases})
     return 0

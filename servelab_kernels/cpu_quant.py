@@ -18,6 +18,12 @@ the inner loop is integer dot products (AVX512-VNNI), scaled once per group or p
   (`tdpbssd`): the GEMV's integer sums exactly, at the tiles' rate, for any number of rows. A
   step of many rows no longer dequantizes the weight to bf16 (which on an AMX CPU lost to bf16's
   packed GEMM: a 64-row decode step 0.75x bf16's, now 1.1x).
+- INT8 through oneDNN's INT8 GEMM (`q8_gemm_int`, AVX512-VNNI builds without AMX): the same split,
+  the M rows' hi and lo parts stacked as 2M INT8 rows, times the INT8 weights as stored in one
+  s8 x s8 -> s32 GEMM (`torch._int_mm`), recombined exactly: the GEMV's sums again, so on these
+  CPUs too a step's numbers do not depend on how many rows it has. On a 2-core Zen 4 that GEMM of
+  2M rows costs 0.95-1.05x bf16's packed GEMM of M rows, where dequantizing the weight for each
+  call cost 1.1-1.5x.
 
 `q4_linear_ref` and `q8_linear_ref` are the torch twins with the same rounding (the tests hold
 the kernels to them within float summation order); the plain dequantize-and-multiply stays the
@@ -60,11 +66,12 @@ def ops(portable: bool = False):
             lambda w, dm, dtype: w.new_empty(w.shape[0], w.shape[1] * 2, dtype=dtype))
         torch.library.register_fake(f"{ns}::q8_dequantize")(
             lambda w, s: w.new_empty(w.shape, dtype=torch.bfloat16))
-        if hasattr(getattr(torch.ops, ns), "q8_gemm_amx"):
-            torch.library.register_fake(f"{ns}::q8_gemm_amx")(lambda x, w, s: x.new_empty(x.shape[0], w.shape[0]))
+        for gemm in ("q8_gemm_amx", "q8_gemm_int"):
+            if hasattr(getattr(torch.ops, ns), gemm):
+                torch.library.register_fake(f"{ns}::{gemm}")(lambda x, w, s: x.new_empty(x.shape[0], w.shape[0]))
         torch.library.register_fake(f"{ns}::q4_matmul")(lambda x, w, dm, rows: x.new_empty(x.shape[0], w.shape[0]))
         torch.library.register_fake(f"{ns}::q8_matmul")(
-            lambda x, w, s, rows, amx: x.new_empty(x.shape[0], w.shape[0]))
+            lambda x, w, s, rows, int_gemm: x.new_empty(x.shape[0], w.shape[0]))
     return getattr(torch.ops, ns)
 
 
@@ -118,6 +125,17 @@ Q4_GEMV_ROWS = 12
 # The same for the INT8 GEMV (3072 x 576: 16 rows 0.26 vs 0.31 ms; 24 rows 0.66 vs 0.35 ms, where
 # its 14-bit activations outgrow L1). The dequantized GEMM costs about 1.1x bf16's from there on.
 Q8_GEMV_ROWS = 16
+# Where oneDNN's INT8 GEMM serves (q8_gemm_int), it takes over from 9 rows: over one SmolLM2 layer's
+# four weights on a 2-core Zen 4, 1.00x the GEMV's speed at 6 and 8 rows, 1.28x at 10, 1.18x at 16.
+Q8_INT_GEMV_ROWS = 8
+
+
+def q8_gemv_rows() -> int:
+    """Up to how many rows q8_matmul takes the INT8 GEMV: fewer where the integer GEMM takes over."""
+    fast = ops()
+    if _int_gemm.on and fast is not None and hasattr(fast, "q8_gemm_int"):
+        return Q8_INT_GEMV_ROWS
+    return Q8_GEMV_ROWS
 
 
 _AMX_READY: bool | None = None
@@ -136,20 +154,29 @@ def amx_ready() -> bool:
     return _AMX_READY
 
 
-_amx_on = Switch()
+def int_gemm_ready() -> bool:
+    """Whether many-row bf16 INT8 matmuls here run an integer GEMM of the GEMV's sums: AMX tiles
+    (`amx_ready()`) or oneDNN's INT8 GEMM (`q8_gemm_int`, in AVX512-VNNI builds)."""
+    fast = ops()
+    return fast is not None and (amx_ready() or hasattr(fast, "q8_gemm_int"))
 
 
-def amx_tiles(on: bool):
-    """`with amx_tiles(False):` INT8 matmuls take the GEMV and the dequantized GEMM, as on CPUs
-    without AMX (benchmarks.quant_steps, for A/B runs)."""
-    return _amx_on.set(on)
+_int_gemm = Switch()
+
+
+def int_gemm(on: bool):
+    """`with int_gemm(False):` INT8 matmuls take the GEMV and, above Q8_GEMV_ROWS rows, the GEMM
+    over the weight dequantized to bf16 for each call, as CPUs without AMX or VNNI do
+    (benchmarks.quant_steps, for A/B runs)."""
+    return _int_gemm.set(on)
 
 
 def q8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ (q * scales).T: AMX tiles where amx_ready() (and amx_tiles is on), else the GEMV for up to Q8_GEMV_ROWS
-    rows and a GEMM over the weight dequantized for this call above; one op either way, so a compiled
-    graph does not branch (and recompile) on the number of rows."""
-    return ops().q8_matmul(x, q, scales, Q8_GEMV_ROWS, _amx_on.on)
+    """x [M, K] @ (q * scales).T: AMX tiles where amx_ready(), else the GEMV for up to q8_gemv_rows()
+    rows and above it oneDNN's INT8 GEMM of the split activations (bf16 rows, VNNI builds) or a GEMM
+    over the weight dequantized for this call (`int_gemm(False)` turns both integer GEMMs off); one
+    op either way, so a compiled graph does not branch (and recompile) on the number of rows."""
+    return ops().q8_matmul(x, q, scales, q8_gemv_rows(), _int_gemm.on)
 
 
 def q4_1_groups(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int):

@@ -159,7 +159,7 @@ def test_q8_matmul_takes_the_amx_gemm_for_bf16_rows_unless_told_not_to():
         amx = ops.q8_gemm_amx(x, w, scales)
         assert torch.equal(ops.q8_matmul(x, w, scales, 16, True), amx)
         assert torch.equal(cpu_quant.q8_matmul(x, w, scales), amx)
-        with cpu_quant.amx_tiles(False):
+        with cpu_quant.int_gemm(False):
             off = cpu_quant.q8_matmul(x, w, scales)
         assert torch.equal(off, ops.q8_linear(x, w, scales) if rows <= cpu_quant.Q8_GEMV_ROWS
                            else ops.q8_matmul(x, w, scales, 16, False))
@@ -167,7 +167,61 @@ def test_q8_matmul_takes_the_amx_gemm_for_bf16_rows_unless_told_not_to():
     assert torch.equal(ops.q8_matmul(x, w, scales, 16, True), ops.q8_matmul(x, w, scales, 16, False))
     odd = torch.randint(-127, 128, (96, 96), generator=g, dtype=torch.int8)  # K not a multiple of 64
     xo = torch.randn(40, 96, generator=g).bfloat16()
-    assert torch.equal(ops.q8_matmul(xo, odd, scales, 16, True), ops.q8_matmul(xo, odd, scales, 16, False))
+    # not the tiles' shape: oneDNN's INT8 GEMM where the build has it, else the dequantized GEMM
+    other = ops.q8_gemm_int(xo, odd, scales) if hasattr(ops, "q8_gemm_int") else ops.q8_matmul(xo, odd, scales, 16, False)
+    assert torch.equal(ops.q8_matmul(xo, odd, scales, 16, True), other)
+
+
+@pytest.mark.vnni
+@pytest.mark.parametrize("n, k", [(48, 64), (960, 576), (576, 1536), (40, 3000), (70, 72)])  # 3000: sums past int32
+@pytest.mark.parametrize("rows", [1, 9, 40])
+def test_q8_gemm_int_gives_the_gemvs_integer_sums(n, k, rows):
+    w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scales = (torch.rand(n, generator=g) * 0.01 + 1e-4).to(torch.bfloat16)
+    x = torch.randn(rows, k, generator=g)
+    x[0, 5] = 40.0  # an outlier sets its row's scale
+    x[-1, -1] = -30.0  # and one in the tail past the 16-wide loop
+    ops = cpu_quant.ops()
+    # exact integer sums recombined as the twin does, multiplied in its order: equal, not close
+    torch.testing.assert_close(ops.q8_gemm_int(x, w, scales), q8_linear_ref(x, w, scales), atol=0, rtol=0)
+    xb = x.bfloat16()
+    got = ops.q8_gemm_int(xb, w, scales)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, q8_linear_ref(xb, w, scales), atol=0, rtol=0)
+    if k % 32 == 0:  # the GEMV's numbers, at any number of rows
+        torch.testing.assert_close(got, ops.q8_linear(xb, w, scales), atol=0, rtol=8e-3)
+
+
+@pytest.mark.vnni
+def test_q8_gemm_int_splits_a_wide_output_into_calls_without_changing_it():
+    """A vocabulary-wide head at many rows runs in column slices (at most 16 MB of sums a call)."""
+    w = torch.randint(-127, 128, (20000, 64), generator=g, dtype=torch.int8)
+    scales = torch.rand(20000, generator=g) * 0.01
+    x = torch.randn(300, 64, generator=g).bfloat16()  # 600 rows of sums: 6,976 columns a call, a part slice last
+    torch.testing.assert_close(cpu_quant.ops().q8_gemm_int(x, w, scales), q8_linear_ref(x, w, scales), atol=0, rtol=0)
+
+
+@pytest.mark.vnni
+def test_q8_matmul_takes_the_int8_gemm_above_its_gemv_rows_unless_told_not_to():
+    w = torch.randint(-127, 128, (96, 128), generator=g, dtype=torch.int8)
+    scales = (torch.rand(96, generator=g) * 0.01).to(torch.bfloat16)
+    ops = cpu_quant.ops()
+    if cpu_quant.amx_ready():  # the tiles come first there (the test above)
+        with cpu_quant.int_gemm(False):
+            assert cpu_quant.q8_gemv_rows() == cpu_quant.Q8_GEMV_ROWS
+        return
+    assert cpu_quant.q8_gemv_rows() == cpu_quant.Q8_INT_GEMV_ROWS
+    for rows in (cpu_quant.Q8_INT_GEMV_ROWS, cpu_quant.Q8_INT_GEMV_ROWS + 1, 64):
+        x = torch.randn(rows, 128, generator=g).bfloat16()
+        want = ops.q8_linear(x, w, scales) if rows <= cpu_quant.Q8_INT_GEMV_ROWS else ops.q8_gemm_int(x, w, scales)
+        assert torch.equal(cpu_quant.q8_matmul(x, w, scales), want)
+        with cpu_quant.int_gemm(False):
+            assert cpu_quant.q8_gemv_rows() == cpu_quant.Q8_GEMV_ROWS
+            off = cpu_quant.q8_matmul(x, w, scales)
+        assert torch.equal(off, ops.q8_linear(x, w, scales) if rows <= cpu_quant.Q8_GEMV_ROWS
+                           else ops.q8_matmul(x, w, scales, 16, False))
+    x = torch.randn(40, 128, generator=g)  # fp32 rows keep the fp32 GEMM over the dequantized weight
+    assert torch.equal(ops.q8_matmul(x, w, scales, 16, True), ops.q8_matmul(x, w, scales, 16, False))
 
 
 @pytest.mark.parametrize("n", [300, 4097])
@@ -263,4 +317,7 @@ def test_the_ops_trace_under_compile():
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
     if cpu_quant.amx_ready():
         torch.library.opcheck(cpu_quant.ops().q8_gemm_amx, (x, torch.ones(16, 64, dtype=torch.int8), torch.ones(16)),
+                              test_utils=("test_schema", "test_faketensor"))
+    if hasattr(cpu_quant.ops(), "q8_gemm_int"):
+        torch.library.opcheck(cpu_quant.ops().q8_gemm_int, (x, torch.ones(16, 64, dtype=torch.int8), torch.ones(16)),
                               test_utils=("test_schema", "test_faketensor"))
