@@ -130,12 +130,21 @@ Q8_GEMV_ROWS = 16
 Q8_INT_GEMV_ROWS = 8
 
 
+_INT8_GEMM_BUILT: bool | None = None
+
+
+def int8_gemm_built() -> bool:
+    """Whether this machine's build has `q8_gemm_int` (AVX512-VNNI), looked up once: q8_matmul asks on every call."""
+    global _INT8_GEMM_BUILT
+    if _INT8_GEMM_BUILT is None:
+        fast = ops()
+        _INT8_GEMM_BUILT = fast is not None and hasattr(fast, "q8_gemm_int")
+    return _INT8_GEMM_BUILT
+
+
 def q8_gemv_rows() -> int:
     """Up to how many rows q8_matmul takes the INT8 GEMV: fewer where the integer GEMM takes over."""
-    fast = ops()
-    if _int_gemm.on and fast is not None and hasattr(fast, "q8_gemm_int"):
-        return Q8_INT_GEMV_ROWS
-    return Q8_GEMV_ROWS
+    return Q8_INT_GEMV_ROWS if _int_gemm.on and int8_gemm_built() else Q8_GEMV_ROWS
 
 
 _AMX_READY: bool | None = None
@@ -157,8 +166,7 @@ def amx_ready() -> bool:
 def int_gemm_ready() -> bool:
     """Whether many-row bf16 INT8 matmuls here run an integer GEMM of the GEMV's sums: AMX tiles
     (`amx_ready()`) or oneDNN's INT8 GEMM (`q8_gemm_int`, in AVX512-VNNI builds)."""
-    fast = ops()
-    return fast is not None and (amx_ready() or hasattr(fast, "q8_gemm_int"))
+    return amx_ready() or int8_gemm_built()
 
 
 _int_gemm = Switch()

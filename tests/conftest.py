@@ -70,8 +70,7 @@ def _has_amx() -> bool:
 def _has_int8_gemm() -> bool:
     from servelab_kernels import cpu_quant
 
-    fast = cpu_quant.ops()
-    return fast is not None and hasattr(fast, "q8_gemm_int")
+    return cpu_quant.int8_gemm_built()
 
 
 def _has_amx_bf16() -> bool:

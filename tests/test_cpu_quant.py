@@ -168,7 +168,7 @@ def test_q8_matmul_takes_the_amx_gemm_for_bf16_rows_unless_told_not_to():
     odd = torch.randint(-127, 128, (96, 96), generator=g, dtype=torch.int8)  # K not a multiple of 64
     xo = torch.randn(40, 96, generator=g).bfloat16()
     # not the tiles' shape: oneDNN's INT8 GEMM where the build has it, else the dequantized GEMM
-    other = ops.q8_gemm_int(xo, odd, scales) if hasattr(ops, "q8_gemm_int") else ops.q8_matmul(xo, odd, scales, 16, False)
+    other = ops.q8_gemm_int(xo, odd, scales) if cpu_quant.int8_gemm_built() else ops.q8_matmul(xo, odd, scales, 16, False)
     assert torch.equal(ops.q8_matmul(xo, odd, scales, 16, True), other)
 
 
@@ -318,6 +318,6 @@ def test_the_ops_trace_under_compile():
     if cpu_quant.amx_ready():
         torch.library.opcheck(cpu_quant.ops().q8_gemm_amx, (x, torch.ones(16, 64, dtype=torch.int8), torch.ones(16)),
                               test_utils=("test_schema", "test_faketensor"))
-    if hasattr(cpu_quant.ops(), "q8_gemm_int"):
+    if cpu_quant.int8_gemm_built():
         torch.library.opcheck(cpu_quant.ops().q8_gemm_int, (x, torch.ones(16, 64, dtype=torch.int8), torch.ones(16)),
                               test_utils=("test_schema", "test_faketensor"))
