@@ -7,8 +7,10 @@ decode (batch 1). Rounds alternate between the engines, so the machine's drift f
 them; the report gives each one's median step time and the median and range of its per-round speed
 against the unquantized model (> 1: faster). Where many-row INT8 steps run an integer GEMM (AMX tiles,
 or oneDNN's INT8 GEMM on AVX512-VNNI), `int8` also runs without it (`int8 (dequantized GEMM)`,
-servelab_kernels.cpu_quant.int_gemm(False): the weight dequantized to bf16 for each call), side by side. A whole `compare` runs its configurations one after the other, and on
-a shared 2-core machine their order can move a 5 % ratio. Writes reports/quant-steps/report.{md,json}.
+servelab_kernels.cpu_quant.int_gemm(False): the weight dequantized to bf16 for each call), side by
+side; where INT4 steps do (q4_gemm_int, AVX512-VNNI), `gguf` and `int4` the same. A whole `compare`
+runs its configurations one after the other, and on a shared 2-core machine their order can move a
+5 % ratio. Writes reports/quant-steps/report.{md,json}.
 """
 
 from __future__ import annotations
@@ -41,15 +43,17 @@ def alternating(steps: dict, n: int) -> dict:
     return out
 
 
-NO_INT = " (dequantized GEMM)"  # an INT8 engine stepped with servelab_kernels.cpu_quant.int_gemm(False)
+NO_INT = " (dequantized GEMM)"  # an engine stepped with servelab_kernels.cpu_quant.int_gemm(False)
 
 
 def variants(quants: list[str]) -> list[str]:
-    """The quantizers to run; where INT8 has an integer GEMM, `int8` also without it, side by side."""
+    """The quantizers to run; where INT8 or INT4 has an integer GEMM, those also without it, side by side."""
     from servelab_kernels import cpu_quant
 
-    extra = [q + NO_INT for q in quants if q == "int8" and cpu_quant.int_gemm_ready()]
-    return quants + extra
+    def has_int_gemm(q: str) -> bool:
+        return cpu_quant.int_gemm_ready() if q == "int8" else q in ("gguf", "int4") and cpu_quant.int_gemm_built()
+
+    return quants + [q + NO_INT for q in quants if has_int_gemm(q)]
 
 
 def measure(quants: list[str]) -> tuple[dict, str]:
@@ -108,7 +112,7 @@ def main(argv=None) -> int:
     md = (f"# Quantized weights against bf16, in real engine steps\n\n"
           f"- machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}\n"
           f"- engines: the default (continuous + paged, model.dtype=auto: {dtype}) on the embedded model, one "
-          f"per quantizer (`none` is the unquantized model; `{NO_INT.strip()}`: INT8 stepped without its integer "
+          f"per quantizer (`none` is the unquantized model; `{NO_INT.strip()}`: stepped without the integer "
           f"GEMM, the weight dequantized to bf16 for each many-row call, as CPUs without AMX or AVX512-VNNI run it); "
           f"{ROUNDS} rounds, alternating\n"
           f"- made by `python -m benchmarks.quant_steps`\n\n" + "\n".join(rows) + "\n")

@@ -45,14 +45,14 @@ def new_plan(cos: torch.Tensor, sin: torch.Tensor, final_norm: torch.Tensor, num
     quant = cpu_quant.ops() is not None
     ops = [f"{ops_ns}::rms_norm", f"{ops_ns}::rotary", f"{ops_ns}::silu_mul", f"{ops_ns}::bf16_linear", attention_op,
            f"{quant_ns}::q4_matmul" if quant else "", f"{quant_ns}::q8_matmul" if quant else ""]
-    sizes = [num_heads, num_kv_heads, head_dim, intermediate, linear.gemv_rows(), cpu_quant.Q4_GEMV_ROWS,
+    sizes = [num_heads, num_kv_heads, head_dim, intermediate, linear.gemv_rows(), cpu_quant.q4_gemv_rows(),
              cpu_quant.q8_gemv_rows(), int(cpu_quant._int_gemm.on)]
     return load()(cos, sin, final_norm, sizes, float(eps), float(scale), ops)
 
 
 def settings() -> tuple:
     """The switches and thresholds a plan is built with: rebuild it when these change."""
-    return (linear.gemv_rows(), linear._pack_weights.on, cpu_ops._enabled.on, _forced.on, cpu_quant.Q4_GEMV_ROWS,
+    return (linear.gemv_rows(), linear._pack_weights.on, cpu_ops._enabled.on, _forced.on, cpu_quant.q4_gemv_rows(),
             cpu_quant.q8_gemv_rows(), cpu_quant._int_gemm.on)
 
 

@@ -18,6 +18,14 @@ the inner loop is integer dot products (AVX512-VNNI), scaled once per group or p
   (`tdpbssd`): the GEMV's integer sums exactly, at the tiles' rate, for any number of rows. A
   step of many rows no longer dequantizes the weight to bf16 (which on an AMX CPU lost to bf16's
   packed GEMM: a 64-row decode step 0.75x bf16's, now 1.1x).
+- INT4 times many rows (`q4_gemm_int`, AVX512-VNNI builds): prefill chunks and batched decodes
+  without dequantizing the weight. The activations go to 14-bit integers per group of 32 (finer
+  than the GEMV's int8: at every row of a prefill those cost the embedded GGUF model 9x its KL
+  against fp32), each split as hi * 128 + lo into two INT8 parts, so a group's sum is exact in
+  int32. Register-blocked: 32 output rows of the packed weight are transposed by dwords once per
+  call so that each lane of a `vpdpbusd` is an output row and each activation dword is broadcast to
+  all of them; a tile of 3 rows x 32 outputs keeps its sums in registers (no horizontal sums).
+  Twin: `q4_gemm_ref`. Figures in Q4_INT_GEMV_ROWS's comment and reports/quant-steps-int4-zen4.
 - INT8 through oneDNN's INT8 GEMM (`q8_gemm_int`, AVX512-VNNI builds without AMX): the same split,
   the M rows' hi and lo parts stacked as 2M INT8 rows, times the INT8 weights as stored in one
   s8 x s8 -> s32 GEMM (`torch._int_mm`), recombined exactly: the GEMV's sums again, so on these
@@ -33,8 +41,9 @@ INT4 layout (`pack_q4`): per output row, the input groups of 32 as 16 bytes each
 inputs 0..15 of the group, high nibbles = inputs 16..31), so one 64-byte load holds 4 groups whose
 halves line up with the activations' two int8 halves; per 4 groups 8 float16: the 4 scales d then
 the 4 offsets m, w = q * d + m (GGUF's Q4_1 as stored; the symmetric-around-8 convention of
-servelab_kernels.quant is w = (q - 8) * s + z, so d = s, m = z - 8 s). Rows of many tokens dequantize the
-weights to bf16 and use the GEMM (`q4_dequantize`).
+servelab_kernels.quant is w = (q - 8) * s + z, so d = s, m = z - 8 s). Rows of many tokens run `q4_gemm_int`,
+or, without AVX512-VNNI (and for fp32 activations), dequantize the weights and use the GEMM
+(`q4_dequantize`).
 
 Built once per machine (see servelab_kernels.cpp_build); without AVX512-VNNI a portable loop computes the
 same sums, and without a compiler `available()` is false and callers keep the aten kernels.
@@ -66,10 +75,11 @@ def ops(portable: bool = False):
             lambda w, dm, dtype: w.new_empty(w.shape[0], w.shape[1] * 2, dtype=dtype))
         torch.library.register_fake(f"{ns}::q8_dequantize")(
             lambda w, s: w.new_empty(w.shape, dtype=torch.bfloat16))
-        for gemm in ("q8_gemm_amx", "q8_gemm_int"):
+        for gemm in ("q8_gemm_amx", "q8_gemm_int", "q4_gemm_int"):
             if hasattr(getattr(torch.ops, ns), gemm):
                 torch.library.register_fake(f"{ns}::{gemm}")(lambda x, w, s: x.new_empty(x.shape[0], w.shape[0]))
-        torch.library.register_fake(f"{ns}::q4_matmul")(lambda x, w, dm, rows: x.new_empty(x.shape[0], w.shape[0]))
+        torch.library.register_fake(f"{ns}::q4_matmul")(
+            lambda x, w, dm, rows, int_gemm: x.new_empty(x.shape[0], w.shape[0]))
         torch.library.register_fake(f"{ns}::q8_matmul")(
             lambda x, w, s, rows, int_gemm: x.new_empty(x.shape[0], w.shape[0]))
     return getattr(torch.ops, ns)
@@ -122,6 +132,11 @@ def dequantize_q4_ref(nibbles: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
 # weight dequantized to bf16 (measured on a 2-core AVX-512 EPYC, 3072 x 576: 8 rows 0.19 vs
 # 0.26 ms, 16 rows 0.34 vs 0.31 ms, 512 rows 4.5 ms, where the aten INT4 kernel took 11 ms).
 Q4_GEMV_ROWS = 12
+# Where the INT4 integer GEMM serves (q4_gemm_int), it takes over from 8 rows: on a 2-core Zen 4,
+# over one SmolLM2 layer's four weights 0.91x the GEMV's speed at 7 rows, 1.10x at 8, 1.23x at 12,
+# 1.48x at 16 (the dequantized GEMM 0.5-0.8x there); over the head 0.99x at 7, 1.23x at 8. Over a
+# layer and the head against bf16's GEMM: 1.4-2.1x at 8-64 rows, 1.0x at 128, 0.94x at 256.
+Q4_INT_GEMV_ROWS = 7
 # The same for the INT8 GEMV (3072 x 576: 16 rows 0.26 vs 0.31 ms; 24 rows 0.66 vs 0.35 ms, where
 # its 14-bit activations outgrow L1). The dequantized GEMM costs about 1.1x bf16's from there on.
 Q8_GEMV_ROWS = 16
@@ -130,21 +145,27 @@ Q8_GEMV_ROWS = 16
 Q8_INT_GEMV_ROWS = 8
 
 
-_INT8_GEMM_BUILT: bool | None = None
+_INT_GEMM_BUILT: bool | None = None
 
 
-def int8_gemm_built() -> bool:
-    """Whether this machine's build has `q8_gemm_int` (AVX512-VNNI), looked up once: q8_matmul asks on every call."""
-    global _INT8_GEMM_BUILT
-    if _INT8_GEMM_BUILT is None:
+def int_gemm_built() -> bool:
+    """Whether this machine's build has the VNNI integer GEMMs `q8_gemm_int` and `q4_gemm_int`
+    (AVX512-VNNI builds have both), looked up once: the matmuls ask on every call."""
+    global _INT_GEMM_BUILT
+    if _INT_GEMM_BUILT is None:
         fast = ops()
-        _INT8_GEMM_BUILT = fast is not None and hasattr(fast, "q8_gemm_int")
-    return _INT8_GEMM_BUILT
+        _INT_GEMM_BUILT = fast is not None and hasattr(fast, "q8_gemm_int") and hasattr(fast, "q4_gemm_int")
+    return _INT_GEMM_BUILT
 
 
 def q8_gemv_rows() -> int:
     """Up to how many rows q8_matmul takes the INT8 GEMV: fewer where the integer GEMM takes over."""
-    return Q8_INT_GEMV_ROWS if _int_gemm.on and int8_gemm_built() else Q8_GEMV_ROWS
+    return Q8_INT_GEMV_ROWS if _int_gemm.on and int_gemm_built() else Q8_GEMV_ROWS
+
+
+def q4_gemv_rows() -> int:
+    """Up to how many rows q4_matmul takes the INT4 GEMV: fewer where the integer GEMM takes over."""
+    return Q4_INT_GEMV_ROWS if _int_gemm.on and int_gemm_built() else Q4_GEMV_ROWS
 
 
 _AMX_READY: bool | None = None
@@ -166,16 +187,16 @@ def amx_ready() -> bool:
 def int_gemm_ready() -> bool:
     """Whether many-row bf16 INT8 matmuls here run an integer GEMM of the GEMV's sums: AMX tiles
     (`amx_ready()`) or oneDNN's INT8 GEMM (`q8_gemm_int`, in AVX512-VNNI builds)."""
-    return amx_ready() or int8_gemm_built()
+    return amx_ready() or int_gemm_built()
 
 
 _int_gemm = Switch()
 
 
 def int_gemm(on: bool):
-    """`with int_gemm(False):` INT8 matmuls take the GEMV and, above Q8_GEMV_ROWS rows, the GEMM
-    over the weight dequantized to bf16 for each call, as CPUs without AMX or VNNI do
-    (benchmarks.quant_steps, for A/B runs)."""
+    """`with int_gemm(False):` INT8 and INT4 matmuls take the GEMV and, above Q8_GEMV_ROWS /
+    Q4_GEMV_ROWS rows, the GEMM over the weight dequantized to bf16 for each call, as CPUs without
+    AMX or VNNI do (benchmarks.quant_steps, for A/B runs)."""
     return _int_gemm.set(on)
 
 
@@ -200,10 +221,11 @@ def q4_1_groups(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, grou
 
 
 def q4_matmul(x: torch.Tensor, nibbles: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ W.T for this INT4 layout: the GEMV for up to Q4_GEMV_ROWS rows, else a GEMM in x's
-    precision (bf16 unless x is fp32) over the weight dequantized for this call; one op either way,
-    so a compiled graph does not branch (and recompile) on the number of rows."""
-    return ops().q4_matmul(x, nibbles, dm, Q4_GEMV_ROWS)
+    """x [M, K] @ W.T for this INT4 layout: the GEMV for up to q4_gemv_rows() rows; above, for bf16
+    rows, the integer GEMM of the GEMV's sums where it is built (`int_gemm(False)` turns it off);
+    else a GEMM in x's precision (bf16 unless x is fp32) over the weight dequantized for this call;
+    one op for all, so a compiled graph does not branch (and recompile) on the number of rows."""
+    return ops().q4_matmul(x, nibbles, dm, q4_gemv_rows(), _int_gemm.on)
 
 
 # ---- torch twins ------------------------------------------------------------------------------
@@ -213,7 +235,9 @@ def quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
     """x [M, K] -> (xq int8-valued float [M, K/32, 32], scale dx [M, K/32], exact sums sx [M, K/32])."""
     xg = x.float().reshape(x.shape[0], -1, GROUP)
     amax = xg.abs().amax(dim=-1)
-    inv = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    # 127 / amax as the kernel divides (a scalar over a tensor is reciprocal-then-multiply in torch,
+    # an ulp off, which moves bf16 inputs at rounding ties to the other side)
+    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
     return torch.round(xg * inv[..., None]), amax / 127.0, xg.sum(dim=-1)
 
 
@@ -222,6 +246,19 @@ def q4_linear_ref(x: torch.Tensor, nibbles: torch.Tensor, dm: torch.Tensor) -> t
     q, d, m = unpack_q4(nibbles, dm)
     isum = torch.einsum("mgi,ngi->mng", xq.double(), q.reshape(q.shape[0], -1, GROUP).double()).float()
     y = (isum * dx[:, None, :] * d[None]).sum(-1) + sx @ m.T
+    return y.to(x.dtype)
+
+
+def q4_gemm_ref(x: torch.Tensor, nibbles: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
+    """The INT4 GEMM's twin (`q4_gemm_int`): x to 14-bit integers per group of 32 (absmax / 8191),
+    exact integer group sums, scaled per group."""
+    xg = x.float().reshape(x.shape[0], -1, GROUP)
+    amax = xg.abs().amax(dim=-1)
+    inv = torch.where(amax > 0, torch.full_like(amax, Q16) / amax, torch.zeros_like(amax))  # as the kernel divides
+    xq = torch.round(xg * inv[..., None])
+    q, d, m = unpack_q4(nibbles, dm)
+    isum = torch.einsum("mgi,ngi->mng", xq.double(), q.reshape(q.shape[0], -1, GROUP).double()).float()
+    y = (isum * (amax / Q16)[:, None, :] * d[None]).sum(-1) + xg.sum(dim=-1) @ m.T
     return y.to(x.dtype)
 
 

@@ -67,10 +67,10 @@ def _has_amx() -> bool:
     return cpu_quant.amx_ready()
 
 
-def _has_int8_gemm() -> bool:
+def _has_int_gemm() -> bool:
     from servelab_kernels import cpu_quant
 
-    return cpu_quant.int8_gemm_built()
+    return cpu_quant.int_gemm_built()
 
 
 def _has_amx_bf16() -> bool:
@@ -82,7 +82,7 @@ def _has_amx_bf16() -> bool:
 # marker -> (whether this machine has the hardware, what a machine without it lacks)
 HARDWARE = {"cuda": (torch.cuda.is_available, "this machine has no CUDA device"),
             "amx": (_has_amx, "this CPU has no AMX-INT8 tiles"),
-            "vnni": (_has_int8_gemm, "this CPU has no AVX512-VNNI (no q8_gemm_int in its build)"),
+            "vnni": (_has_int_gemm, "this CPU has no AVX512-VNNI (no q8_gemm_int or q4_gemm_int in its build)"),
             "amx_bf16": (_has_amx_bf16, "this CPU has no AMX-BF16 tiles")}
 
 

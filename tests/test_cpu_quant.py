@@ -10,6 +10,7 @@ from servelab_kernels import cpu_attention, cpu_quant
 from servelab_kernels.cpu_quant import (
     dequantize_q4_ref,
     pack_q4,
+    q4_gemm_ref,
     q4_linear_ref,
     q8_linear_ref,
     quantize_rows_ref,
@@ -168,7 +169,7 @@ def test_q8_matmul_takes_the_amx_gemm_for_bf16_rows_unless_told_not_to():
     odd = torch.randint(-127, 128, (96, 96), generator=g, dtype=torch.int8)  # K not a multiple of 64
     xo = torch.randn(40, 96, generator=g).bfloat16()
     # not the tiles' shape: oneDNN's INT8 GEMM where the build has it, else the dequantized GEMM
-    other = ops.q8_gemm_int(xo, odd, scales) if cpu_quant.int8_gemm_built() else ops.q8_matmul(xo, odd, scales, 16, False)
+    other = ops.q8_gemm_int(xo, odd, scales) if cpu_quant.int_gemm_built() else ops.q8_matmul(xo, odd, scales, 16, False)
     assert torch.equal(ops.q8_matmul(xo, odd, scales, 16, True), other)
 
 
@@ -236,13 +237,65 @@ def test_q8_matmul_many_fp32_rows_stays_in_fp32(n):
     torch.testing.assert_close(got, x @ (w.float() * scales.float()[:, None]).T, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.vnni
+@pytest.mark.parametrize("n, k", [(32, 64), (960, 576), (576, 1536), (70, 192), (3, 128)])  # part blocks of 32 rows
+@pytest.mark.parametrize("rows", [1, 7, 13, 40])  # whole tiles of 3 rows and 1-2 left over
+def test_q4_gemm_int_is_its_twin(n, k, rows):
+    q, d, m = q4_case(n, k)
+    nibbles, dm = pack_q4(q, d, m)
+    x = torch.randn(rows, k, generator=g)
+    x[0, 5] = 40.0  # an outlier sets its group's scale
+    ops = cpu_quant.ops()
+    # exact integer group sums, scaled and added in another order than the twin's: fp32 rounding only
+    torch.testing.assert_close(ops.q4_gemm_int(x, nibbles, dm), q4_gemm_ref(x, nibbles, dm), atol=2e-5, rtol=1e-5)
+    xb = x.bfloat16()
+    got = ops.q4_gemm_int(xb, nibbles, dm)
+    assert got.dtype == torch.bfloat16
+    exact = q4_gemm_ref(xb.float(), nibbles, dm)  # the twin's sums before the output's rounding
+    torch.testing.assert_close(got.float(), exact, atol=1e-4, rtol=4e-3)  # one bf16 rounding (2^-8) of them
+    assert (got != exact.bfloat16()).float().mean() < 0.05  # and mostly the same rounding
+
+
+@pytest.mark.vnni
+def test_q4_gemm_int_rounds_activations_far_less_than_the_gemv():
+    """14-bit activations per group against the GEMV's int8: both against the exact product with the
+    INT4 weight, on rows with an outlier (a group's other inputs lose the most)."""
+    nibbles, dm = pack_q4(*q4_case(256, 576))
+    x = torch.randn(24, 576, generator=g)
+    x[:, 7] = 30.0
+    exact = x.double() @ dequantize_q4_ref(nibbles, dm).double().T
+    ops = cpu_quant.ops()
+    gemm_err = (ops.q4_gemm_int(x, nibbles, dm).double() - exact).abs().mean()
+    gemv_err = (ops.q4_linear(x, nibbles, dm).double() - exact).abs().mean()
+    assert gemm_err < gemv_err / 30  # 64x finer steps
+
+
+@pytest.mark.vnni
+def test_q4_matmul_takes_the_int4_gemm_above_its_gemv_rows_unless_told_not_to():
+    nibbles, dm = pack_q4(*q4_case(96, 128))
+    ops = cpu_quant.ops()
+    assert cpu_quant.q4_gemv_rows() == cpu_quant.Q4_INT_GEMV_ROWS
+    for rows in (cpu_quant.Q4_INT_GEMV_ROWS, cpu_quant.Q4_INT_GEMV_ROWS + 1, 64):
+        x = torch.randn(rows, 128, generator=g).bfloat16()
+        gemv = rows <= cpu_quant.Q4_INT_GEMV_ROWS
+        want = ops.q4_linear(x, nibbles, dm) if gemv else ops.q4_gemm_int(x, nibbles, dm)
+        assert torch.equal(cpu_quant.q4_matmul(x, nibbles, dm), want)
+        with cpu_quant.int_gemm(False):
+            assert cpu_quant.q4_gemv_rows() == cpu_quant.Q4_GEMV_ROWS
+            off = cpu_quant.q4_matmul(x, nibbles, dm)
+        assert torch.equal(off, ops.q4_linear(x, nibbles, dm) if rows <= cpu_quant.Q4_GEMV_ROWS
+                           else ops.q4_matmul(x, nibbles, dm, 12, False))
+    x = torch.randn(40, 128, generator=g)  # fp32 rows keep the fp32 GEMM over the dequantized weight
+    assert torch.equal(ops.q4_matmul(x, nibbles, dm, 12, True), ops.q4_matmul(x, nibbles, dm, 12, False))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n", [300, 4097, 6000])  # one dequantized weight; past 2 slabs of 2048 rows, with a part slab
 def test_q4_matmul_many_rows_is_the_product_in_the_activations_dtype(n, dtype):
     q, d, m = q4_case(n, 128)
     nibbles, dm = pack_q4(q, d, m)
     x = torch.randn(20, 128, generator=g).to(dtype)
-    got = cpu_quant.ops().q4_matmul(x, nibbles, dm, 12)
+    got = cpu_quant.ops().q4_matmul(x, nibbles, dm, 12, False)  # the dequantized GEMM
     assert got.dtype == dtype
     w = dequantize_q4_ref(nibbles, dm).to(dtype).float()
     want = (x.float() @ w.T).to(dtype)
@@ -250,7 +303,7 @@ def test_q4_matmul_many_rows_is_the_product_in_the_activations_dtype(n, dtype):
     torch.testing.assert_close(got, want, **tol)
 
 
-@pytest.mark.parametrize("rows", [1, 5, 12, 13, 40])  # the GEMV up to Q4_GEMV_ROWS, then the dequantized GEMM
+@pytest.mark.parametrize("rows", [1, 5, 12, 13, 40])  # the GEMV up to q4_gemv_rows(), then the dequantized GEMM (fp32)
 @pytest.mark.parametrize("group", [32, 128])
 def test_int4_module_on_both_paths(rows, group):
     w, bias = torch.randn(80, 256, generator=g), torch.randn(80, generator=g)
@@ -261,7 +314,7 @@ def test_int4_module_on_both_paths(rows, group):
     # the scale and offset stored as float16: half an ulp of each (offsets reach about 4 here)
     torch.testing.assert_close(fast.dequantized_weight(), ref.dequantized_weight(), atol=5e-3, rtol=1e-3)
     want = x @ fast.dequantized_weight().T + bias  # its float16 scales and offsets
-    if rows <= cpu_quant.Q4_GEMV_ROWS:  # the GEMV's own rounding of x
+    if rows <= cpu_quant.q4_gemv_rows():  # the GEMV's own rounding of x
         want = q4_linear_ref(x, fast.weight_packed, fast.dm) + bias
     torch.testing.assert_close(fast(x), want, atol=1e-4, rtol=1e-4)
 
@@ -313,11 +366,14 @@ def test_the_ops_trace_under_compile():
                      (cpu_quant.ops().q4_dequantize, (nibbles, dm, torch.bfloat16)),
                      (cpu_quant.ops().q8_dequantize, (torch.ones(16, 64, dtype=torch.int8), torch.ones(16))),
                      (cpu_quant.ops().q8_matmul, (x.bfloat16(), torch.ones(16, 64, dtype=torch.int8), torch.ones(16),
-                                                  16, True))):
+                                                  16, True)),
+                     (cpu_quant.ops().q4_matmul, (x.bfloat16(), nibbles, dm, 1, True))):
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
     if cpu_quant.amx_ready():
         torch.library.opcheck(cpu_quant.ops().q8_gemm_amx, (x, torch.ones(16, 64, dtype=torch.int8), torch.ones(16)),
                               test_utils=("test_schema", "test_faketensor"))
-    if cpu_quant.int8_gemm_built():
+    if cpu_quant.int_gemm_built():
         torch.library.opcheck(cpu_quant.ops().q8_gemm_int, (x, torch.ones(16, 64, dtype=torch.int8), torch.ones(16)),
+                              test_utils=("test_schema", "test_faketensor"))
+        torch.library.opcheck(cpu_quant.ops().q4_gemm_int, (x.bfloat16(), nibbles, dm),
                               test_utils=("test_schema", "test_faketensor"))

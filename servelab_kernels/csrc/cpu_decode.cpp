@@ -23,7 +23,7 @@ using SiluMulFn = at::Tensor(at::Tensor, at::Tensor);
 using Bf16LinearFn = at::Tensor(at::Tensor, at::Tensor);
 using WriteAndDecodeFn = at::Tensor(at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
                                     at::Tensor, at::Tensor, double);
-using Q4MatmulFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t);
+using Q4MatmulFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, bool);
 using Q8MatmulFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, bool);
 
 template <typename Fn>
@@ -54,7 +54,7 @@ struct Layer {
 }  // namespace
 
 struct DecodePlan : torch::CustomClassHolder {
-  // sizes: [num_heads, num_kv_heads, head_dim, intermediate, gemv_rows, q4_gemv_rows, q8_gemv_rows, amx];
+  // sizes: [num_heads, num_kv_heads, head_dim, intermediate, gemv_rows, q4_gemv_rows, q8_gemv_rows, int_gemm];
   // ops: the qualified names of rms_norm, rotary, silu_mul, bf16_linear, the attention backend's
   // write-and-decode, q4_matmul and q8_matmul (the last two "" where cpu_quant did not build)
   DecodePlan(at::Tensor cos, at::Tensor sin, at::Tensor final_norm, std::vector<int64_t> sizes, double eps,
@@ -68,7 +68,7 @@ struct DecodePlan : torch::CustomClassHolder {
         linear_pointwise_(c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "")) {
     TORCH_CHECK(sizes.size() == 8 && ops.size() == 7, "DecodePlan: 8 sizes and 7 ops");
     heads_ = sizes[0], kv_heads_ = sizes[1], head_dim_ = sizes[2], inter_ = sizes[3];
-    gemv_rows_ = sizes[4], q4_rows_ = sizes[5], q8_rows_ = sizes[6], amx_ = sizes[7] != 0;
+    gemv_rows_ = sizes[4], q4_rows_ = sizes[5], q8_rows_ = sizes[6], int_gemm_ = sizes[7] != 0;
     if (!ops[5].empty()) q4_matmul_ = op<Q4MatmulFn>(ops[5]);
     if (!ops[6].empty()) q8_matmul_ = op<Q8MatmulFn>(ops[6]);
   }
@@ -135,10 +135,10 @@ struct DecodePlan : torch::CustomClassHolder {
     at::Tensor y;
     switch (lin.kind) {
       case INT4:
-        y = q4_matmul_->call(x, lin.weight, lin.second, q4_rows_);
+        y = q4_matmul_->call(x, lin.weight, lin.second, q4_rows_, int_gemm_);
         break;
       case INT8:
-        y = q8_matmul_->call(x, lin.weight, lin.second, q8_rows_, amx_);
+        y = q8_matmul_->call(x, lin.weight, lin.second, q8_rows_, int_gemm_);
         break;
       default:
         if (lin.gemv && rows <= gemv_rows_) return bf16_linear_.call(x.stride(1) == 1 ? x : x.contiguous(), lin.weight);
@@ -167,7 +167,7 @@ struct DecodePlan : torch::CustomClassHolder {
   at::Tensor cos_, sin_, final_norm_;
   double eps_, scale_;
   int64_t heads_ = 0, kv_heads_ = 0, head_dim_ = 0, inter_ = 0, gemv_rows_ = 0, q4_rows_ = 0, q8_rows_ = 0;
-  bool amx_ = false;
+  bool int_gemm_ = false;  // the integer GEMMs of cpu_quant.int_gemm
   int64_t filled_ = 0;
   std::vector<Layer> layers_;
   c10::TypedOperatorHandle<RmsNormFn> rms_norm_;
