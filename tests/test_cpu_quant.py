@@ -202,6 +202,22 @@ def test_q8_gemm_int_splits_a_wide_output_into_calls_without_changing_it():
     torch.testing.assert_close(cpu_quant.ops().q8_gemm_int(x, w, scales), q8_linear_ref(x, w, scales), atol=0, rtol=0)
 
 
+def check_int_gemm_dispatch(matmul, gemv, gemm, op, gemv_rows, int_rows: int, plain_rows: int):
+    """`matmul(x)` (cpu_quant's dispatch, K = 128) is `gemv(x)` up to `int_rows` bf16 rows and the
+    integer `gemm(x)` above; under int_gemm(False) the GEMV up to `plain_rows`, else the op's
+    dequantized GEMM (`op(x, int_gemm)`), which fp32 rows take whatever the switch says."""
+    assert gemv_rows() == int_rows
+    for rows in (int_rows, int_rows + 1, 64):
+        x = torch.randn(rows, 128, generator=g).bfloat16()
+        assert torch.equal(matmul(x), gemv(x) if rows <= int_rows else gemm(x))
+        with cpu_quant.int_gemm(False):
+            assert gemv_rows() == plain_rows
+            off = matmul(x)
+        assert torch.equal(off, gemv(x) if rows <= plain_rows else op(x, False))
+    x = torch.randn(40, 128, generator=g)  # fp32 rows keep the fp32 GEMM over the dequantized weight
+    assert torch.equal(op(x, True), op(x, False))
+
+
 @pytest.mark.vnni
 def test_q8_matmul_takes_the_int8_gemm_above_its_gemv_rows_unless_told_not_to():
     w = torch.randint(-127, 128, (96, 128), generator=g, dtype=torch.int8)
@@ -211,18 +227,9 @@ def test_q8_matmul_takes_the_int8_gemm_above_its_gemv_rows_unless_told_not_to():
         with cpu_quant.int_gemm(False):
             assert cpu_quant.q8_gemv_rows() == cpu_quant.Q8_GEMV_ROWS
         return
-    assert cpu_quant.q8_gemv_rows() == cpu_quant.Q8_INT_GEMV_ROWS
-    for rows in (cpu_quant.Q8_INT_GEMV_ROWS, cpu_quant.Q8_INT_GEMV_ROWS + 1, 64):
-        x = torch.randn(rows, 128, generator=g).bfloat16()
-        want = ops.q8_linear(x, w, scales) if rows <= cpu_quant.Q8_INT_GEMV_ROWS else ops.q8_gemm_int(x, w, scales)
-        assert torch.equal(cpu_quant.q8_matmul(x, w, scales), want)
-        with cpu_quant.int_gemm(False):
-            assert cpu_quant.q8_gemv_rows() == cpu_quant.Q8_GEMV_ROWS
-            off = cpu_quant.q8_matmul(x, w, scales)
-        assert torch.equal(off, ops.q8_linear(x, w, scales) if rows <= cpu_quant.Q8_GEMV_ROWS
-                           else ops.q8_matmul(x, w, scales, 16, False))
-    x = torch.randn(40, 128, generator=g)  # fp32 rows keep the fp32 GEMM over the dequantized weight
-    assert torch.equal(ops.q8_matmul(x, w, scales, 16, True), ops.q8_matmul(x, w, scales, 16, False))
+    check_int_gemm_dispatch(lambda x: cpu_quant.q8_matmul(x, w, scales), lambda x: ops.q8_linear(x, w, scales),
+                            lambda x: ops.q8_gemm_int(x, w, scales), lambda x, on: ops.q8_matmul(x, w, scales, 16, on),
+                            cpu_quant.q8_gemv_rows, cpu_quant.Q8_INT_GEMV_ROWS, cpu_quant.Q8_GEMV_ROWS)
 
 
 @pytest.mark.parametrize("n", [300, 4097])
@@ -274,19 +281,9 @@ def test_q4_gemm_int_rounds_activations_far_less_than_the_gemv():
 def test_q4_matmul_takes_the_int4_gemm_above_its_gemv_rows_unless_told_not_to():
     nibbles, dm = pack_q4(*q4_case(96, 128))
     ops = cpu_quant.ops()
-    assert cpu_quant.q4_gemv_rows() == cpu_quant.Q4_INT_GEMV_ROWS
-    for rows in (cpu_quant.Q4_INT_GEMV_ROWS, cpu_quant.Q4_INT_GEMV_ROWS + 1, 64):
-        x = torch.randn(rows, 128, generator=g).bfloat16()
-        gemv = rows <= cpu_quant.Q4_INT_GEMV_ROWS
-        want = ops.q4_linear(x, nibbles, dm) if gemv else ops.q4_gemm_int(x, nibbles, dm)
-        assert torch.equal(cpu_quant.q4_matmul(x, nibbles, dm), want)
-        with cpu_quant.int_gemm(False):
-            assert cpu_quant.q4_gemv_rows() == cpu_quant.Q4_GEMV_ROWS
-            off = cpu_quant.q4_matmul(x, nibbles, dm)
-        assert torch.equal(off, ops.q4_linear(x, nibbles, dm) if rows <= cpu_quant.Q4_GEMV_ROWS
-                           else ops.q4_matmul(x, nibbles, dm, 12, False))
-    x = torch.randn(40, 128, generator=g)  # fp32 rows keep the fp32 GEMM over the dequantized weight
-    assert torch.equal(ops.q4_matmul(x, nibbles, dm, 12, True), ops.q4_matmul(x, nibbles, dm, 12, False))
+    check_int_gemm_dispatch(lambda x: cpu_quant.q4_matmul(x, nibbles, dm), lambda x: ops.q4_linear(x, nibbles, dm),
+                            lambda x: ops.q4_gemm_int(x, nibbles, dm), lambda x, on: ops.q4_matmul(x, nibbles, dm, 12, on),
+                            cpu_quant.q4_gemv_rows, cpu_quant.Q4_INT_GEMV_ROWS, cpu_quant.Q4_GEMV_ROWS)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

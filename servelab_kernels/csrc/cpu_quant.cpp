@@ -50,20 +50,28 @@ inline __m512 load16f(const T* p) {
   }
 }
 
+// One group of 32 inputs (a: 0..15, b: 16..31) as integers of at most `qmax`: its scale
+// absmax / qmax to *dx, its exact sum to *sx, and each half's integers (cvtps rounds half to even,
+// as nearbyint).
+inline void quantize_group(__m512 a, __m512 b, float qmax, float* dx, float* sx, __m512i& qa, __m512i& qb) {
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  const __m512 iv = _mm512_set1_ps(amax > 0.f ? qmax / amax : 0.f);
+  *dx = amax / qmax;
+  *sx = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+  qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, iv));
+  qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, iv));
+}
+
 // One row's G groups as quantize_rows makes them (the same scale and rounding; the sum of a
 // group added in another order).
 template <typename T>
 void quantize_row_avx512(const T* x, int64_t G, float* dx, float* sx, int8_t* lo, int8_t* hi) {
   for (int64_t g = 0; g < G; ++g) {
-    const __m512 a = load16f(x + g * GROUP), b = load16f(x + g * GROUP + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-    const float inv = amax > 0.f ? 127.f / amax : 0.f;
-    dx[g] = amax / 127.f;
-    sx[g] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
-    const __m512 iv = _mm512_set1_ps(inv);
-    // cvtps rounds half to even, as nearbyint; |q| <= 127, so the narrowing never saturates
-    _mm_storeu_si128((__m128i*)(lo + g * 16), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(a, iv))));
-    _mm_storeu_si128((__m128i*)(hi + g * 16), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(b, iv))));
+    __m512i qa, qb;
+    quantize_group(load16f(x + g * GROUP), load16f(x + g * GROUP + 16), 127.f, dx + g, sx + g, qa, qb);
+    // |q| <= 127, so the narrowing never saturates
+    _mm_storeu_si128((__m128i*)(lo + g * 16), _mm512_cvtsepi32_epi8(qa));
+    _mm_storeu_si128((__m128i*)(hi + g * 16), _mm512_cvtsepi32_epi8(qb));
   }
 }
 #endif
@@ -533,15 +541,10 @@ struct SplitRows {
 template <typename T>
 void split_row(const T* x, int64_t G, float* dx, float* sx, int8_t* parts) {
   for (int64_t g = 0; g < G; ++g) {
-    const __m512 a = load16f(x + g * GROUP), b = load16f(x + g * GROUP + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-    const float inv = amax > 0.f ? static_cast<float>(Q16) / amax : 0.f;
-    dx[g] = amax / static_cast<float>(Q16);
-    sx[g] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
-    const __m512 iv = _mm512_set1_ps(inv);
+    __m512i half[2];
+    quantize_group(load16f(x + g * GROUP), load16f(x + g * GROUP + 16), static_cast<float>(Q16), dx + g, sx + g,
+                   half[0], half[1]);
     int8_t* p = parts + g * 64;
-    const __m512i half[2] = {_mm512_cvtps_epi32(_mm512_mul_ps(a, iv)),  // rounds half to even, as nearbyint
-                             _mm512_cvtps_epi32(_mm512_mul_ps(b, iv))};
     for (int h = 0; h < 2; ++h) {
       _mm_storeu_si128((__m128i*)(p + h * 16), _mm512_cvtepi32_epi8(_mm512_srai_epi32(half[h], 7)));
       _mm_storeu_si128((__m128i*)(p + 32 + h * 16), _mm512_cvtepi32_epi8(_mm512_and_si512(half[h], _mm512_set1_epi32(127))));
@@ -755,13 +758,7 @@ namespace q8split {
 // One activation row: its scale and its hi / lo INT8 parts, in the row's own order.
 template <typename T>
 void split_row(const T* x, int64_t K, float& dx, int8_t* hi, int8_t* lo) {
-  auto load = [&](int64_t k) {
-    if constexpr (std::is_same_v<T, float>) {
-      return _mm512_loadu_ps(x + k);
-    } else {
-      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(x + k))), 16));
-    }
-  };
+  auto load = [&](int64_t k) { return load16f(x + k); };
   __m512 vmax = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 16 <= K; k += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(load(k)));
