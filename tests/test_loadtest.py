@@ -39,11 +39,13 @@ def test_short_scenario_records_every_request(tiny_llama, tmp_path):
 
 def test_agent_scenario_retries_and_falls_back_to_a_model_of_its_own(tiny_llama, tmp_path):
     # one running sequence and a queue of one: concurrent agents get 429s and retry; long answers hit
-    # the server's request timeout, and the retry goes to the fallback model, served beside the main one
+    # the server's request timeout, and the retry goes to the fallback model, served beside the main one.
+    # 1,500 tokens take over 0.4 s at any step time this engine reaches (0.27 ms), queued or not: with 300,
+    # a faster CI machine finished every answer inside the timeout (1 ms a step here, 0.3 s)
     rep = bench(tiny_llama, tmp_path, "scenario=agent", "scenario.duration_s=120", "scenario.max_requests=8",
                 "scenario.users=6", "scheduler.max_num_seqs=1", "server.max_queue=1", "server.request_timeout_s=0.4",
-                'server.models={backup:["scheduler.max_num_seqs=4"]}', "model.max_model_len=1024",
-                "workload.output_len=300", "scenario.agent.tool_result_chars=10",
+                'server.models={backup:["scheduler.max_num_seqs=4"]}', "model.max_model_len=2048",
+                "workload.output_len=1500", "scenario.agent.tool_result_chars=10",
                 "scenario.agent.fallback_model=backup", "scenario.agent.retries=3")
     reqs = rep["requests"]
     errors = [r["error"] or "" for r in reqs]
