@@ -20,9 +20,13 @@ def test_the_thp_mode_is_the_bracketed_word(tmp_path, monkeypatch):
     assert huge_pages.mode() == "always"
     entry.write_text("always madvise [never]\n")
     assert huge_pages.mode() == "never"
-    assert huge_pages._anonymous(4 * MB) is None  # THP off: nothing to ask for
+    # THP off: nothing to ask for, so no mapping of ours is made (whether the allocator's memory sits in a
+    # mapping advised earlier depends on what ran before in the process: the suite once saw it "hg")
+    mapped = []
+    monkeypatch.setattr(huge_pages.mmap, "mmap", lambda *a, **k: mapped.append(a))
+    assert huge_pages._anonymous(4 * MB) is None
     t = huge_pages.zeros((4 * MB,), torch.uint8)
-    assert not huge_pages.advised(t) and int(t.count_nonzero()) == 0
+    assert mapped == [] and t.shape == (4 * MB,) and int(t.count_nonzero()) == 0
     monkeypatch.setattr(huge_pages, "THP_ENABLED", tmp_path / "missing")
     assert huge_pages.mode() == "unavailable"
 
