@@ -25,7 +25,7 @@ from servelab_kernels.cpp_build import build, namespace
 from servelab_kernels.dispatch import _forced
 from servelab_kernels.quant import Int4Linear, Int8Linear
 
-DENSE, INT4, INT8 = 0, 1, 2  # csrc/cpu_decode.cpp's LinearKind
+DENSE, INT4, INT8, TILES = 0, 1, 2, 3  # csrc/cpu_decode.cpp's LinearKind
 
 
 def load():
@@ -44,16 +44,17 @@ def new_plan(cos: torch.Tensor, sin: torch.Tensor, final_norm: torch.Tensor, num
     ops_ns, quant_ns = namespace("cpu_ops", portable=False), namespace("cpu_quant", portable=False)
     quant = cpu_quant.ops() is not None
     ops = [f"{ops_ns}::rms_norm", f"{ops_ns}::rotary", f"{ops_ns}::silu_mul", f"{ops_ns}::bf16_linear", attention_op,
-           f"{quant_ns}::q4_matmul" if quant else "", f"{quant_ns}::q8_matmul" if quant else ""]
+           f"{quant_ns}::q4_matmul" if quant else "", f"{quant_ns}::q8_matmul" if quant else "",
+           f"{ops_ns}::amx_linear" if linear.tiles_ready() else ""]
     sizes = [num_heads, num_kv_heads, head_dim, intermediate, linear.gemv_rows(), cpu_quant.q4_gemv_rows(),
-             cpu_quant.q8_gemv_rows(), int(cpu_quant._int_gemm.on)]
+             cpu_quant.q8_gemv_rows(), int(cpu_quant._int_gemm.on), linear.TILE_ROWS]
     return load()(cos, sin, final_norm, sizes, float(eps), float(scale), ops)
 
 
 def settings() -> tuple:
     """The switches and thresholds a plan is built with: rebuild it when these change."""
-    return (linear.gemv_rows(), linear._pack_weights.on, cpu_ops._enabled.on, _forced.on, cpu_quant.q4_gemv_rows(),
-            cpu_quant.q8_gemv_rows(), cpu_quant._int_gemm.on)
+    return (linear.gemv_rows(), linear._pack_weights.on, linear._tiles.on, cpu_ops._enabled.on, _forced.on,
+            cpu_quant.q4_gemv_rows(), cpu_quant.q8_gemv_rows(), cpu_quant._int_gemm.on)
 
 
 def unusable(dtype: torch.dtype) -> str | None:
@@ -75,7 +76,8 @@ def linear_spec(mod: nn.Module, dtype: torch.dtype) -> tuple | None:
             return None
         probe = w.new_empty(1, w.shape[1])  # the eager tests look at x's dtype and width only
         packed = mod.packed_weight() if linear.use_packed(probe, w) else None
-        return DENSE, linear.use_gemv(probe, w, bias), w, None, packed, bias
+        kind = TILES if packed is not None and linear.use_tiles(w) else DENSE
+        return kind, linear.use_gemv(probe, w, bias), w, None, packed, bias
     if type(mod) is Int4Linear:
         if mod.layout != "cpu_q4" or mod.input_scale is not None or mod.padded_in != mod.in_features:
             return None

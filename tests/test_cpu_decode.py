@@ -139,6 +139,8 @@ def test_a_plan_is_refused_a_linear_kind_it_does_not_know():
     plan.add_layer(torch.ones(16), torch.ones(16), torch.zeros(1), torch.zeros(1))
     with pytest.raises(RuntimeError, match="needs its op and its second tensor"):
         plan.add_linear(1, False, torch.zeros(24, 8, dtype=torch.uint8), None, None, None)
+    with pytest.raises(RuntimeError, match="a TILES layer amx_linear and its packed weight"):
+        plan.add_linear(cpu_decode.TILES, False, torch.zeros(24, 16), None, None, None)
     with pytest.raises(RuntimeError, match="incomplete layers"):
         plan.forward(torch.zeros(1, 16), torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
                      torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long))

@@ -1,6 +1,7 @@
 // AMX tiles (Sapphire Rapids and later), shared by the kernels that use them (cpu_quant's INT8
-// GEMM, cpu_attention's decode): the tile configuration and the request for the tile state. Built
-// in front of those sources (servelab_kernels.cpp_build.build's `prelude`), in the same translation unit.
+// GEMM, cpu_gemm_amx's bf16 GEMM, cpu_attention's decode and prefill): the tile configuration and
+// the request for the tile state. Built in front of those sources (servelab_kernels.cpp_build.build's
+// `prelude`), in the same translation unit.
 #if defined(__AMX_TILE__) && defined(__AVX512F__) && !defined(SERVELAB_PORTABLE)
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -24,6 +25,16 @@ inline bool permitted() {
     return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
   }();
   return ok;
+}
+
+// Every tile 16 rows of 64 bytes (the largest), as the GEMMs and the prefill kernel use them.
+inline void configure_full() {
+  TileConfig c;
+  for (int t = 0; t < 8; ++t) {
+    c.rows[t] = 16;
+    c.colsb[t] = 64;
+  }
+  _tile_loadconfig(&c);
 }
 
 }  // namespace amx

@@ -25,6 +25,7 @@ using WriteAndDecodeFn = at::Tensor(at::Tensor, at::Tensor, at::Tensor, at::Tens
                                     at::Tensor, at::Tensor, double);
 using Q4MatmulFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, bool);
 using Q8MatmulFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, bool);
+using AmxLinearFn = at::Tensor(at::Tensor, at::Tensor, int64_t, c10::optional<at::Tensor>);
 
 template <typename Fn>
 c10::TypedOperatorHandle<Fn> op(const std::string& name) {
@@ -37,12 +38,14 @@ enum LinearKind : int64_t {
               // weight where there is one, else at::linear
   INT4 = 1,   // Int4Linear in the C++ kernel's layout: q4_matmul(x, nibbles, dm)
   INT8 = 2,   // Int8Linear on the C++ kernel: q8_matmul(x, q, scales)
+  TILES = 3,  // servelab_kernels.linear.Linear on AMX CPUs: the GEMV up to gemv_rows, else amx_linear over the
+              // weight laid out for the tiles up to tile_rows, else at::linear
 };
 
 struct Linear {
   int64_t kind = DENSE;
   bool gemv = false;  // DENSE: the eager forward would take the GEMV at few rows
-  at::Tensor weight, second, packed;  // DENSE: weight, -, packed | INT4: nibbles, dm, - | INT8: q, scales, -
+  at::Tensor weight, second, packed;  // DENSE / TILES: weight, -, packed | INT4: nibbles, dm, - | INT8: q, scales, -
   c10::optional<at::Tensor> bias;
 };
 
@@ -54,9 +57,10 @@ struct Layer {
 }  // namespace
 
 struct DecodePlan : torch::CustomClassHolder {
-  // sizes: [num_heads, num_kv_heads, head_dim, intermediate, gemv_rows, q4_gemv_rows, q8_gemv_rows, int_gemm];
-  // ops: the qualified names of rms_norm, rotary, silu_mul, bf16_linear, the attention backend's
-  // write-and-decode, q4_matmul and q8_matmul (the last two "" where cpu_quant did not build)
+  // sizes: [num_heads, num_kv_heads, head_dim, intermediate, gemv_rows, q4_gemv_rows, q8_gemv_rows, int_gemm,
+  // tile_rows]; ops: the qualified names of rms_norm, rotary, silu_mul, bf16_linear, the attention
+  // backend's write-and-decode, q4_matmul, q8_matmul (those two "" where cpu_quant did not build) and
+  // amx_linear ("" where the build has no AMX tiles)
   DecodePlan(at::Tensor cos, at::Tensor sin, at::Tensor final_norm, std::vector<int64_t> sizes, double eps,
              double scale, std::vector<std::string> ops)
       : cos_(std::move(cos)), sin_(std::move(sin)), final_norm_(std::move(final_norm)), eps_(eps), scale_(scale),
@@ -66,11 +70,12 @@ struct DecodePlan : torch::CustomClassHolder {
         bf16_linear_(op<Bf16LinearFn>(ops.at(3))),
         write_and_decode_(op<WriteAndDecodeFn>(ops.at(4))),
         linear_pointwise_(c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "")) {
-    TORCH_CHECK(sizes.size() == 8 && ops.size() == 7, "DecodePlan: 8 sizes and 7 ops");
+    TORCH_CHECK(sizes.size() == 9 && ops.size() == 8, "DecodePlan: 9 sizes and 8 ops");
     heads_ = sizes[0], kv_heads_ = sizes[1], head_dim_ = sizes[2], inter_ = sizes[3];
-    gemv_rows_ = sizes[4], q4_rows_ = sizes[5], q8_rows_ = sizes[6], int_gemm_ = sizes[7] != 0;
+    gemv_rows_ = sizes[4], q4_rows_ = sizes[5], q8_rows_ = sizes[6], int_gemm_ = sizes[7] != 0, tile_rows_ = sizes[8];
     if (!ops[5].empty()) q4_matmul_ = op<Q4MatmulFn>(ops[5]);
     if (!ops[6].empty()) q8_matmul_ = op<Q8MatmulFn>(ops[6]);
+    if (!ops[7].empty()) amx_linear_ = op<AmxLinearFn>(ops[7]);
   }
 
   void add_layer(at::Tensor input_norm, at::Tensor post_norm, at::Tensor k_cache, at::Tensor v_cache) {
@@ -82,8 +87,10 @@ struct DecodePlan : torch::CustomClassHolder {
                   c10::optional<at::Tensor> packed, c10::optional<at::Tensor> bias) {
     TORCH_CHECK(!layers_.empty() && filled_ < 4 * int64_t(layers_.size()), "add_linear: add a layer first");
     TORCH_CHECK(kind == DENSE || (kind == INT4 && q4_matmul_.has_value() && second) ||
-                    (kind == INT8 && q8_matmul_.has_value() && second),
-                "add_linear: an INT4/INT8 layer needs its op and its second tensor");
+                    (kind == INT8 && q8_matmul_.has_value() && second) ||
+                    (kind == TILES && amx_linear_.has_value() && packed),
+                "add_linear: an INT4/INT8 layer needs its op and its second tensor, a TILES layer amx_linear and "
+                "its packed weight");
     Layer& layer = layers_.back();
     Linear* slots[4] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
     Linear& lin = *slots[filled_++ % 4];
@@ -140,6 +147,11 @@ struct DecodePlan : torch::CustomClassHolder {
       case INT8:
         y = q8_matmul_->call(x, lin.weight, lin.second, q8_rows_, int_gemm_);
         break;
+      case TILES:
+        if (lin.gemv && rows <= gemv_rows_) return bf16_linear_.call(x.stride(1) == 1 ? x : x.contiguous(), lin.weight);
+        if (rows <= tile_rows_)
+          return amx_linear_->call(x.stride(1) == 1 ? x : x.contiguous(), lin.packed, lin.weight.size(0), lin.bias);
+        return at::linear(x, lin.weight, lin.bias);
       default:
         if (lin.gemv && rows <= gemv_rows_) return bf16_linear_.call(x.stride(1) == 1 ? x : x.contiguous(), lin.weight);
         if (lin.packed.defined()) return packed_linear(x, lin);
@@ -166,7 +178,8 @@ struct DecodePlan : torch::CustomClassHolder {
 
   at::Tensor cos_, sin_, final_norm_;
   double eps_, scale_;
-  int64_t heads_ = 0, kv_heads_ = 0, head_dim_ = 0, inter_ = 0, gemv_rows_ = 0, q4_rows_ = 0, q8_rows_ = 0;
+  int64_t heads_ = 0, kv_heads_ = 0, head_dim_ = 0, inter_ = 0, gemv_rows_ = 0, q4_rows_ = 0, q8_rows_ = 0,
+          tile_rows_ = 0;
   bool int_gemm_ = false;  // the integer GEMMs of cpu_quant.int_gemm
   int64_t filled_ = 0;
   std::vector<Layer> layers_;
@@ -177,6 +190,7 @@ struct DecodePlan : torch::CustomClassHolder {
   c10::TypedOperatorHandle<WriteAndDecodeFn> write_and_decode_;
   c10::optional<c10::TypedOperatorHandle<Q4MatmulFn>> q4_matmul_;
   c10::optional<c10::TypedOperatorHandle<Q8MatmulFn>> q8_matmul_;
+  c10::optional<c10::TypedOperatorHandle<AmxLinearFn>> amx_linear_;
   c10::OperatorHandle linear_pointwise_;
 };
 

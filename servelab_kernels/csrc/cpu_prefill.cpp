@@ -196,15 +196,6 @@ bool amx_prefill_fits(int64_t BS, int64_t D) {
   return amx_prefill_on && BS % 16 == 0 && D % 64 == 0 && amx::permitted();
 }
 
-static void configure_prefill_tiles() {
-  amx::TileConfig c;
-  for (int t = 0; t < 8; ++t) {
-    c.rows[t] = 16;
-    c.colsb[t] = 64;
-  }
-  _tile_loadconfig(&c);
-}
-
 static void prefill_amx_bf16(const at::BFloat16* q, const at::BFloat16* kc, const at::BFloat16* vc,
                              const int64_t* tables, const int64_t* ctx_lens, const int64_t* starts, float* out,
                              int64_t S, int64_t H, int64_t KVH, int64_t BS, int64_t D, int64_t W, int64_t stride_blk,
@@ -255,7 +246,7 @@ static void prefill_amx_bf16(const at::BFloat16* q, const at::BFloat16* kc, cons
   const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
                                          21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    configure_prefill_tiles();
+    amx::configure_full();
     std::vector<uint16_t> qt(NS * 512);
     std::vector<float> st(max_cap * 16);     // S^T [key][row]
     std::vector<uint16_t> pt(max_cap * 16);  // P tiles [32 keys a tile][row][32]

@@ -860,16 +860,8 @@ torch::Tensor q8_gemm_int(const torch::Tensor& x, const torch::Tensor& w, const 
 #ifdef SERVELAB_AMX
 namespace q8amx {  // the shared tile helpers are ::amx (csrc/cpu_amx.cpp)
 
-// tiles 0-3: int32 sums [16 weight rows][16 x rows] (hi and lo, two weight blocks); 4-5: weight
-// rows (16 x 64 INT8); 6-7: the activations' hi and lo parts (16 rows of 16 x 4 INT8)
-void configure() {
-  ::amx::TileConfig c;
-  for (int t = 0; t < 8; ++t) {
-    c.rows[t] = 16;
-    c.colsb[t] = 64;
-  }
-  _tile_loadconfig(&c);
-}
+// tiles (::amx::configure_full): 0-3 int32 sums [16 weight rows][16 x rows] (hi and lo, two weight
+// blocks); 4-5 weight rows (16 x 64 INT8); 6-7 the activations' hi and lo parts (16 rows of 16 x 4 INT8)
 
 // 16 activations as fp32
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -942,7 +934,7 @@ torch::Tensor q8_gemm_amx_impl(const torch::Tensor& x, const torch::Tensor& w, c
   T* yp = y.data_ptr<T>();
   const int64_t NB = (N + 31) / 32;  // blocks of 32 weight rows (the last may be 16)
   at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
-    q8amx::configure();
+    ::amx::configure_full();
     alignas(64) int32_t c[4][256];
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * 32;
