@@ -19,15 +19,9 @@ up to 2.1x the GEMV at 8 rows, and a 64-row decode step 1.15x faster (`python -m
 benchmarks.packed_linear`, reports/packed-linear), at the cost of a second copy of the bf16 weights: copies are made while
 they total at most `PACK_MEMORY_SHARE` of the machine's memory, so a large model is not doubled.
 
-On CPUs with AMX-BF16 tiles the copy is laid out for the tiles instead (`amx_pack`, csrc/cpu_gemm_amx.cpp:
-blocks of 32 output columns, each one contiguous run of 1 KB tiles) and `amx_linear` multiplies every
-row of the step by a block while it sits in L1/L2: from `GEMV_ROWS_TILES` + 1 to `TILE_ROWS` rows it
-is 1.4-2.3x oneDNN's GEMM over its packed weight on SmolLM2's layers at 4-128 rows, warm, and a
-64-row chain of the 120 layer linears out of memory takes 18 ms against 27 (2-core Xeon,
-`python -m benchmarks.packed_linear`). Above `TILE_ROWS` (long prefills) oneDNN's larger blocking wins
-and `F.linear` over the plain weight, which it re-lays out itself, is within a few % of its packed
-copy there. The tiles' sums are rounded to bf16 once, as oneDNN's are; their order differs, so the two
-agree to a rounding. Everything else (fp32, autograd, tracing) is `F.linear`. Under torch.compile the graph calls one
+On CPUs with AMX-BF16 tiles the copy is laid out for the tiles instead, and steps of
+`GEMV_ROWS_TILES` + 1 to `TILE_ROWS` rows multiply on them (servelab_kernels/amx_linear.py); above that
+`F.linear` over the plain weight, which oneDNN re-lays out itself. Everything else (fp32, autograd, tracing) is `F.linear`. Under torch.compile the graph calls one
 op, `bf16_matmul`, that makes the same choice by the number of rows when it runs (the graph's
 rows are symbolic: a branch here would guard on them and recompile for each step size).
 `linear_ref` is its torch twin.
@@ -43,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from servelab_kernels import cpu_ops
+from servelab_kernels import amx_linear, cpu_ops
 from servelab_kernels.cpp_build import has_amx, namespace
 from servelab_kernels.dispatch import Switch
 
@@ -54,9 +48,11 @@ GEMV_ROWS = 16
 # SmolLM2's shapes; 2.8-4.5x at 16 rows); at 3 rows it is 0.70-1.15x, at 1-2 rows the GEMV is 1.1-2.8x
 # faster (2-core Xeon, benchmarks.packed_linear)
 GEMV_ROWS_AMX = 3
-# Where amx_linear serves (csrc/cpu_gemm_amx.cpp): the GEMV keeps 1-2 rows (a chain of SmolLM2's 120
-# layer linears out of memory: GEMV 10.8 / 12.0 / 13.6 ms at 1 / 2 / 3 rows, tiles 12.8 / 12.2 / 12.5),
-# the tiles take the rest up to TILE_ROWS (gate/up at 512 rows: tiles 1.35 ms, oneDNN 1.03, F.linear 1.02)
+# Where amx_linear serves (servelab_kernels/amx_linear.py): the GEMV keeps 1-2 rows (a step's 120 layer linears
+# out of memory, called directly: GEMV 10.8 / 12.0 / 13.6 ms at 1 / 2 / 3 rows, tiles 12.8 / 12.2 / 12.5; through
+# the Linear at 3 rows tiles 1.03x (0.97-1.08) the GEMV, reports/amx-linear), the tiles take the rest up to
+# TILE_ROWS (a layer's four linears, warm, at 384 rows: tiles 1.64 ms, oneDNN 1.97, F.linear 1.67; at 512 F.linear
+# 2.07, tiles 2.29)
 GEMV_ROWS_TILES = 2
 TILE_ROWS = 384
 
@@ -65,7 +61,7 @@ def gemv_rows() -> int:
     """Rows up to which the eager GEMV serves here: GEMV_ROWS, GEMV_ROWS_TILES where bf16 linears take
     AMX tiles, or GEMV_ROWS_AMX where oneDNN's packed weights run on them (F.linear on plain weights
     also beats the GEMV at 16 rows there)."""
-    if _pack_weights.on and _tiles.on and tiles_ready():
+    if _pack_weights.on and amx_linear.switch.on and amx_linear.ready():
         return GEMV_ROWS_TILES
     return GEMV_ROWS_AMX if _pack_weights.on and _amx() else GEMV_ROWS
 
@@ -78,55 +74,6 @@ def _amx() -> bool:
 
 
 _AMX: bool | None = None
-_TILES: bool | None = None
-_tiles = Switch()  # benchmarks.packed_linear turns it off to compare with oneDNN's packed weights
-
-
-def tiles(on: bool):
-    """`with tiles(False):` bf16 linears on AMX CPUs take oneDNN's packed weights instead of amx_linear."""
-    return _tiles.set(on)
-
-
-def tiles_ready() -> bool:
-    """Whether this build multiplies bf16 on AMX tiles here (amx_linear: the CPU has AMX-BF16, the
-    build has the op, Linux granted the tile state); asked once."""
-    global _TILES
-    if _TILES is None:
-        _TILES = has_amx() and cpu_ops.load() is not None and bool(cpu_ops.load().amx_linear_ready())
-    return _TILES
-
-
-def use_tiles(weight: torch.Tensor) -> bool:
-    """Whether a bf16 Linear's packed copy is laid out for amx_linear (its shape fits the tiles:
-    out_features a multiple of 16, in_features of 32) rather than by oneDNN."""
-    n, k = weight.shape
-    return _tiles.on and n % 16 == 0 and k % 32 == 0 and tiles_ready()
-
-
-def tiled_linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., K] @ W.T (+ bias) on AMX tiles, `packed` = pack_tiles(W): up to TILE_ROWS rows."""
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    return cpu_ops.load().amx_linear(rows, packed, n, bias).view(*x.shape[:-1], n)
-
-
-def pack_tiles(weight: torch.Tensor) -> torch.Tensor:
-    """W [N, K] bf16 laid out for amx_linear (flat, N * K elements; `pack_tiles_ref` is its twin)."""
-    return cpu_ops.load().amx_pack(weight.detach())
-
-
-def pack_tiles_ref(weight: torch.Tensor) -> torch.Tensor:
-    """The tiles' layout in torch: blocks of 32 output columns (the last may be 16), each its K / 32
-    steps in order, a step the block's 16-column halves side by side, a half 16 input pairs x 16
-    columns x the pair (element (r, c, e) = W[n0 + 16 h + c][32 kb + 2 r + e])."""
-    n, k = weight.shape
-    parts = []
-    for n0 in range(0, n, 32):
-        block = weight[n0:n0 + 32]  # [nw, K]
-        halves = block.reshape(-1, 16, k // 32, 16, 2)  # [h, c, kb, r, e]
-        parts.append(halves.permute(2, 0, 3, 1, 4).reshape(-1))  # [kb, h, r, c, e]
-    return torch.cat(parts)
 
 
 def linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -190,7 +137,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            packed: Callable[[], torch.Tensor | None] | None = None) -> torch.Tensor:
     """F.linear, through the GEMV where it serves, else through the packed weight (`packed()` gives it,
     or None where there was no room) where that serves: on AMX tiles up to TILE_ROWS rows where
-    `use_tiles`, oneDNN's GEMM elsewhere."""
+    `amx_linear.use`s it, oneDNN's GEMM elsewhere."""
     if torch.compiler.is_compiling():  # first: a test on the number of rows would guard on it in the graph
         return _graph_linear(x, weight, bias)
     if use_gemv(x, weight, bias):
@@ -201,10 +148,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if packed is not None and use_packed(x, weight):
         packed_weight = packed()
         if packed_weight is not None:
-            if not use_tiles(weight):
+            if not amx_linear.use(weight):
                 return packed_linear(x, packed_weight, bias)
             if x.numel() <= TILE_ROWS * x.shape[-1]:
-                return tiled_linear(x, packed_weight, weight.shape[0], bias)
+                return amx_linear.linear(x, packed_weight, weight.shape[0], bias)
     return F.linear(x, weight, bias)
 
 
@@ -269,9 +216,10 @@ class Linear(nn.Linear):
     """nn.Linear (same parameters, same state dict) whose forward is `linear` with its packed weight
     (made at the first call that needs it, again whenever the weight changes)."""
 
-    # (the weight's storage pointer, its version, its shape, whether the copy is for the tiles, the
-    # packed copy or None where there was no room); a weight replaced or changed in place through
-    # autograd's view of it is packed again, and so is one whose layout the switches changed
+    # (the weight's storage pointer, its version, its shape, {layout: the packed copy or None where
+    # there was no room}), the layout "tiles" or "onednn" (`amx_linear.use`); a weight replaced or changed
+    # in place through autograd's view of it is packed again. A layout is made when first asked for,
+    # so an A/B run that flips `amx_linear.enabled` holds both (and times neither's packing)
     _packed: tuple | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -280,14 +228,22 @@ class Linear(nn.Linear):
     def packed_weight(self) -> torch.Tensor | None:
         global _packed_bytes
         w = self.weight
-        key = (w.data_ptr(), w._version, tuple(w.shape), use_tiles(w))
-        if self._packed is None or self._packed[:4] != key:
-            self._packed = None  # the old copy's bytes are given back as it is freed
+        key = (w.data_ptr(), w._version, tuple(w.shape))
+        if self._packed is None or self._packed[:3] != key:
+            self._packed = (*key, {})  # the old copies' bytes are given back as they are freed
+        layout = "tiles" if amx_linear.use(w) else "onednn"
+        copies = self._packed[3]
+        if layout not in copies:
             nbytes = w.numel() * w.element_size()
             packed = None
             if _room_to_pack(nbytes):
-                packed = pack_tiles(w) if key[3] else pack_weight(w)
+                packed = amx_linear.pack(w) if layout == "tiles" else pack_weight(w)
                 _packed_bytes += nbytes
                 weakref.finalize(packed, _release, nbytes)
-            self._packed = (*key, packed)
-        return self._packed[4]
+            copies[layout] = packed
+        return copies[layout]
+
+    def packed_copy(self) -> torch.Tensor | None:
+        """The packed copy of the layout in use now, if one was made (None: not made, or no room)."""
+        layout = "tiles" if amx_linear.use(self.weight) else "onednn"
+        return self._packed[3].get(layout) if self._packed is not None else None

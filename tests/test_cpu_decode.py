@@ -144,3 +144,33 @@ def test_a_plan_is_refused_a_linear_kind_it_does_not_know():
     with pytest.raises(RuntimeError, match="incomplete layers"):
         plan.forward(torch.zeros(1, 16), torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
                      torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long))
+
+
+def _layouts(engine: Engine) -> set[str]:
+    """The packed layouts made for the linears whose shapes fit the tiles (the tiny head's 250 rows do not)."""
+    fit = [m for m in engine.model.modules() if getattr(m, "_packed", None) and m.out_features % 16 == 0]
+    assert len(fit) >= 8  # both layers' four linears
+    return {layout for m in fit for layout, c in m._packed[3].items() if c is not None}
+
+
+@pytest.mark.amx_bf16
+def test_backend_amx_linear_false_keeps_onednn_for_its_own_engine(tiny_dirs):
+    """`backend.amx_linear=false` multiplies by oneDNN's packed weights in that engine's steps only:
+    the process-wide switch is set around each step, so an engine beside it keeps the tiles."""
+    from servelab_kernels import amx_linear
+
+    base = [f"model.path={tiny_dirs['llama']}", "model.dtype=bf16", "attention=cpu"]
+    off, on = build(base + ["backend.amx_linear=false"]), build(base)
+    a, _ = decode_logits(off, prompts(8))
+    b, _ = decode_logits(on, prompts(8))
+    assert _layouts(off) == {"onednn"} and _layouts(on) == {"tiles"} and amx_linear.switch.on
+    for x, y in zip(a, b):  # the same sums in another order: the same greedy tokens on this tiny model
+        torch.testing.assert_close(x, y, rtol=0.02, atol=0.02)
+
+
+def test_backend_amx_linear_true_refuses_a_cpu_without_tiles(tiny_dirs, monkeypatch):
+    import plugins.backends.torch_backend as tb
+
+    monkeypatch.setattr(tb.amx_linear, "ready", lambda: False)
+    with pytest.raises(ConfigError, match="backend.amx_linear=true multiplies bf16 on AMX tiles, and this CPU"):
+        build([f"model.path={tiny_dirs['llama']}", "backend.amx_linear=true"])

@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from servelab_kernels import cpu_ops
+from servelab_kernels import amx_linear, cpu_ops
 from servelab_kernels import linear as lin
 
 GEN = torch.Generator().manual_seed(0)
@@ -52,7 +52,7 @@ def test_the_gemv_refuses_what_it_cannot_compute():
 def test_the_model_linear_takes_the_gemv_for_few_bf16_rows(monkeypatch):
     monkeypatch.setattr(lin, "_NATIVE", True)  # the dispatch rule, on any CPU kind
     monkeypatch.setattr(lin, "_AMX", False)  # (AMX CPUs: the tests at the end)
-    monkeypatch.setattr(lin, "_TILES", False)
+    monkeypatch.setattr(amx_linear, "_READY", False)
     calls, original = [], lin.gemv
     monkeypatch.setattr(lin, "gemv", lambda x, w: calls.append(tuple(x.shape)) or original(x, w))
     layer = lin.Linear(64, 32, bias=False).bfloat16().requires_grad_(False)
@@ -145,7 +145,7 @@ def test_the_packed_weight_gives_f_linears_bits(shape, bias):
     layer = _packed_layer(300, shape[-1], bias)
     x = _randn(*shape)
     out = layer(x)
-    assert layer._packed is not None and layer._packed[-1] is not None  # this call took the packed copy
+    assert layer.packed_copy() is not None  # this call took the packed copy
     with lin.packing(False):
         want = layer(x)
     assert out.shape == want.shape
@@ -161,10 +161,10 @@ def test_a_replaced_weight_is_packed_again_and_autograd_keeps_f_linear():
     layer = _packed_layer(96, 64, False)
     x = _randn(32, 64)
     layer(x)
-    first = layer._packed[-1]
+    first = layer.packed_copy()
     layer.weight.data = layer.weight.data * 2  # a new tensor (as loading and sharding assign)
     _assert_rounded_fp32_sum(layer(x), x, layer.weight)
-    assert layer._packed[-1] is not first
+    assert layer.packed_copy() is not first
     with torch.no_grad():
         layer.weight.mul_(0.5)  # in place, through the parameter: its version moves
     _assert_rounded_fp32_sum(layer(x), x, layer.weight)
@@ -184,7 +184,7 @@ def test_packed_copies_stop_at_their_memory_share_and_give_their_bytes_back(monk
     assert lin._packed_bytes == 128 * 64 * 2
     monkeypatch.setattr(lin, "PACK_MEMORY_SHARE", 0.0)  # no room: the next layer keeps its plain weight
     other = _packed_layer(128, 64, False)
-    assert torch.equal(other(x), F.linear(x, other.weight)) and other._packed[-1] is None  # F.linear itself
+    assert torch.equal(other(x), F.linear(x, other.weight)) and other.packed_copy() is None  # F.linear itself
     assert lin._packed_bytes == 128 * 64 * 2
     del layer
     gc.collect()
@@ -194,7 +194,7 @@ def test_packed_copies_stop_at_their_memory_share_and_give_their_bytes_back(monk
 def test_on_amx_the_gemv_keeps_three_rows_and_the_packed_gemm_takes_four(monkeypatch):
     monkeypatch.setattr(lin, "_NATIVE", True)
     monkeypatch.setattr(lin, "_AMX", True)
-    monkeypatch.setattr(lin, "_TILES", False)  # oneDNN's packed weights (a build without amx_linear)
+    monkeypatch.setattr(amx_linear, "_READY", False)  # oneDNN's packed weights (a build without amx_linear)
     calls, original = [], lin.gemv
     monkeypatch.setattr(lin, "gemv", lambda x, w: calls.append(tuple(x.shape)) or original(x, w))
     layer = _packed_layer(96, 64, False)
@@ -202,7 +202,7 @@ def test_on_amx_the_gemv_keeps_three_rows_and_the_packed_gemm_takes_four(monkeyp
     _assert_rounded_fp32_sum(layer(three), three, layer.weight)
     assert calls == [(3, 64)] and layer._packed is None
     _assert_rounded_fp32_sum(layer(four), four, layer.weight)
-    assert calls == [(3, 64)] and layer._packed[-1] is not None
+    assert calls == [(3, 64)] and layer.packed_copy() is not None
     with lin.packing(False):  # plain weights: the GEMV serves its 16 rows again
         assert lin.gemv_rows() == lin.GEMV_ROWS
         layer(four)
@@ -233,8 +233,8 @@ def test_a_switch_is_set_for_its_block_only_and_restored_on_an_error():
 @pytest.mark.parametrize("n, k", [(64, 32), (48, 576), (960, 576), (576, 1536)])  # a last block of 16 columns
 def test_the_tiles_layout_is_its_twins(n, k):
     w = _randn(n, k)
-    packed = lin.pack_tiles(w)
-    assert packed.shape == (n * k,) and torch.equal(packed, lin.pack_tiles_ref(w))
+    packed = amx_linear.pack(w)
+    assert packed.shape == (n * k,) and torch.equal(packed, amx_linear.pack_ref(w))
     # one element by the layout's own words: block 1, step 2, half 1, pair 5, column 7, second of the pair
     if n >= 64 and k >= 96:
         assert packed[32 * k + 2 * 32 * 32 + 512 + 5 * 32 + 7 * 2 + 1] == w[32 + 16 + 7, 2 * 32 + 2 * 5 + 1]
@@ -245,7 +245,7 @@ def test_the_tiles_layout_is_its_twins(n, k):
 @pytest.mark.parametrize("n, k", [(48, 64), (960, 576), (576, 1536)])
 def test_amx_linear_is_the_rounded_fp32_sum(m, n, k):
     x, w = _randn(m, k), _randn(n, k, scale=k**-0.5)
-    got = lin.tiled_linear(x, lin.pack_tiles(w), n, None)
+    got = amx_linear.linear(x, amx_linear.pack(w), n, None)
     assert got.dtype == torch.bfloat16 and got.shape == (m, n)
     _assert_rounded_fp32_sum(got, x, w)
 
@@ -254,23 +254,23 @@ def test_amx_linear_is_the_rounded_fp32_sum(m, n, k):
 def test_amx_linear_reads_strided_rows_and_adds_the_bias_before_rounding():
     wide, w, b = _randn(40, 700), _randn(96, 576, scale=0.05), _randn(96)
     x = wide[:, 50:626]  # rows 700 apart, columns contiguous: read in place
-    packed = lin.pack_tiles(w)
+    packed = amx_linear.pack(w)
     plain = torch.ops.servelab_cpu_ops.amx_linear(x.contiguous(), packed, 96, None)
     torch.testing.assert_close(torch.ops.servelab_cpu_ops.amx_linear(x, packed, 96, None), plain, rtol=0, atol=0)
-    biased = lin.tiled_linear(x, packed, 96, b)
+    biased = amx_linear.linear(x, packed, 96, b)
     want = (x.float() @ w.float().T + b.float()).bfloat16()  # one rounding of the fp32 sum with the bias
     torch.testing.assert_close(biased, want, rtol=2**-7, atol=1e-3)
     assert (biased == want).double().mean().item() >= 0.99
-    empty = lin.tiled_linear(_randn(0, 576), packed, 96, None)
+    empty = amx_linear.linear(_randn(0, 576), packed, 96, None)
     assert empty.shape == (0, 96)
 
 
 def test_amx_linear_refuses_what_it_cannot_compute():
     with pytest.raises(RuntimeError, match="N a multiple of 16 and K of 32, got \\[40, 64\\]"):
-        lin.pack_tiles(_randn(40, 64))
+        amx_linear.pack(_randn(40, 64))
     with pytest.raises(RuntimeError, match="a bf16 weight"):
-        lin.pack_tiles(torch.randn(32, 64))
-    packed = lin.pack_tiles(_randn(32, 64))
+        amx_linear.pack(torch.randn(32, 64))
+    packed = amx_linear.pack(_randn(32, 64))
     with pytest.raises(RuntimeError, match="amx_pack of a bf16 weight \\[N, K\\] with x's K"):
         torch.ops.servelab_cpu_ops.amx_linear(_randn(4, 96), packed, 32, None)
     with pytest.raises(RuntimeError, match="bias \\[N\\]"):
@@ -281,25 +281,28 @@ def test_amx_linear_refuses_what_it_cannot_compute():
 
 @pytest.mark.amx_bf16
 def test_on_amx_tiles_the_gemv_keeps_two_rows_the_tiles_the_rest_up_to_tile_rows(monkeypatch):
-    assert lin.tiles_ready()  # an AMX-BF16 CPU's build has the op
+    assert amx_linear.ready()  # an AMX-BF16 CPU's build has the op
     monkeypatch.setattr(lin, "_NATIVE", True)
     calls = []
-    for name in ("gemv", "tiled_linear"):
-        original = getattr(lin, name)
-        monkeypatch.setattr(lin, name, lambda *a, _o=original, _n=name: calls.append((_n, a[0].shape[0])) or _o(*a))
+    for module, name in ((lin, "gemv"), (amx_linear, "linear")):
+        original = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _o=original, _n=name: calls.append((_n, a[0].shape[0])) or _o(*a))
     layer = _packed_layer(96, 64, False)
     for m in (lin.GEMV_ROWS_TILES, lin.GEMV_ROWS_TILES + 1, 40, lin.TILE_ROWS, lin.TILE_ROWS + 1):
         x = _randn(m, 64)
         _assert_rounded_fp32_sum(layer(x), x, layer.weight)
-    assert calls == [("gemv", 2), ("tiled_linear", 3), ("tiled_linear", 40), ("tiled_linear", lin.TILE_ROWS)]
-    assert torch.equal(layer._packed[-1], lin.pack_tiles_ref(layer.weight))  # the copy is laid out for the tiles
-    with lin.tiles(False):  # oneDNN's packed copy instead, made again; the GEMV back to its AMX rows
+    assert calls == [("gemv", 2), ("linear", 3), ("linear", 40), ("linear", lin.TILE_ROWS)]
+    tiles = layer.packed_copy()
+    assert torch.equal(tiles, amx_linear.pack_ref(layer.weight))  # the copy is laid out for the tiles
+    with amx_linear.enabled(False):  # oneDNN's packed copy instead, made beside it; the GEMV back to its AMX rows
         assert lin.gemv_rows() == lin.GEMV_ROWS_AMX
         x = _randn(8, 64)
         _assert_rounded_fp32_sum(layer(x), x, layer.weight)
-        assert layer._packed[-1].shape != (96 * 64,)
+        assert layer.packed_copy() is not tiles and layer.packed_copy().shape != (96 * 64,)
     assert len(calls) == 4
+    layer(_randn(8, 64))
+    assert layer.packed_copy() is tiles and len(calls) == 5  # flipped back: the tiles' copy, not packed again
     odd = _packed_layer(40, 64, True)  # 40 output columns: no tiles, oneDNN's packed copy
     x = _randn(8, 64)
     torch.testing.assert_close(odd(x), F.linear(x, odd.weight, odd.bias), rtol=2**-7, atol=1e-3)
-    assert len(calls) == 4 and not lin.use_tiles(odd.weight)
+    assert len(calls) == 5 and not amx_linear.use(odd.weight)

@@ -4,7 +4,8 @@ On CUDA, decode-only steps replay CUDA graphs captured at start-up, one per batc
 (`backend.cuda_graphs`, on by default there; it needs an attention backend with the
 `cuda_graphs` capability, such as `triton`). Steps with a prefill chunk run eagerly.
 On the CPU, decode-only steps run as one C++ call (`backend.native_decode`, on where it applies:
-core/model/decode_plan.py), the same kernels as the eager forward without Python between them.
+core/model/decode_plan.py), the same kernels as the eager forward without Python between them, and
+on CPUs with AMX-BF16 tiles bf16 linears multiply on them (`backend.amx_linear`, on where it applies).
 With `backend.compile=true` the forward of every other step runs through torch.compile (see
 plugins/backends/compiled.py): off by default, as the first steps pay its compile time.
 """
@@ -31,6 +32,7 @@ from core.api import (
 )
 from plugins.backends.compiled import CompiledForward
 from plugins.backends.cuda_graphs import DecodeGraphs
+from servelab_kernels import amx_linear
 
 log = logging.getLogger("servelab")
 
@@ -42,6 +44,9 @@ class TorchBackendConfig(BackendConfig):
     # CPU decode-only steps as one C++ call (core/model/decode_plan.py). None: where the model, its
     # layers and the attention backend allow it; true: refuse to start where they do not; false: eager
     native_decode: bool | None = None
+    # bf16 linears on AMX tiles (servelab_kernels/linear.py, csrc/cpu_gemm_amx.cpp). None: where the CPU
+    # has AMX-BF16 tiles; true: refuse to start where it has none; false: oneDNN's packed weights
+    amx_linear: bool | None = None
 
 
 class TorchBackend:
@@ -66,6 +71,10 @@ class TorchBackend:
         if config.native_decode and device.type != "cpu":
             raise ConfigError(f"backend.native_decode=true runs decode steps on the CPU; the model is on {device}")
         self.native_required = bool(config.native_decode)
+        if config.amx_linear and not (device.type == "cpu" and amx_linear.ready()):
+            raise ConfigError("backend.amx_linear=true multiplies bf16 on AMX tiles, and this "
+                              f"{'CPU (or its build)' if device.type == 'cpu' else 'device'} has none")
+        self.amx_linear = config.amx_linear is not False  # (scoped to this engine's steps: see execute)
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self.kv_caches = self.attention.allocate_kv_cache(num_blocks, block_size, self.spec, self.device)
@@ -77,7 +86,8 @@ class TorchBackend:
             log.info("captured %d CUDA graphs of decode steps (batch sizes %s) in %.1f s", len(self.graphs.sizes),
                      self.graphs.sizes, time.perf_counter() - t0)
         if self.native_wanted:
-            self._native_decode()
+            with amx_linear.enabled(self.amx_linear):  # the plan's layers take their packed copies in this engine's layout
+                self._native_decode()
 
     def _native_decode(self) -> None:
         reason = native_decode_why_not(self.model, self.attention, self.kv_caches)
@@ -97,6 +107,10 @@ class TorchBackend:
 
     @torch.inference_mode()
     def execute(self, batch: ModelInput) -> torch.Tensor:
+        with amx_linear.enabled(self.amx_linear):  # a process-wide switch, set for this engine's step only
+            return self._execute(batch)
+
+    def _execute(self, batch: ModelInput) -> torch.Tensor:
         if self.graphs is not None and self.graphs.fits(batch):
             return self.graphs.run(batch)
         if self.native_decode is not None and self.native_decode.serves(batch):
