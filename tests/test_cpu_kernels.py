@@ -47,6 +47,9 @@ def test_amx_decode_matches_the_reference_and_the_vector_kernel(group, d, block_
     # the same fp32 sums in another order, rounded to bf16 at the end: at most a unit in the last place apart
     torch.testing.assert_close(tiles.float(), vector.float(), atol=1e-2, rtol=8e-3)
     assert not torch.equal(tiles, cpu_attention.decode_attention(q, kc, vc, bt, lens, 0.25))  # it reads its inputs
+    # bf16 queries are read as they are and the output written in bf16 (no converted copies): the same
+    # sums as the fp32 queries' path, rounded once
+    assert torch.equal(tiles, cpu_attention.decode_attention(q.float(), kc, vc, bt, lens, 0.125).bfloat16())
 
 
 @pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])

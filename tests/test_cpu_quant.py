@@ -326,6 +326,19 @@ def test_the_cpp_kv_write_is_the_reference():
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2) and kc.abs().sum() > 0
 
 
+def test_the_cpp_kv_write_reads_views_of_one_qkv_row_in_place():
+    # the decode plan hands k and v narrowed from one [tokens, q + k + v] output: rows strided, D contiguous
+    qkv = torch.randn(5, 6 * 16, generator=g).bfloat16()
+    k, v = qkv[:, 32:64].view(5, 2, 16), qkv[:, 64:96].view(5, 2, 16)
+    assert not k.is_contiguous() and not v.is_contiguous()
+    kc = torch.zeros(6, 2, 4, 16, dtype=torch.bfloat16)
+    vc, kc2, vc2 = kc.clone(), kc.clone(), kc.clone()
+    slots = torch.tensor([3, 4, 21, 9, 0])
+    ref_attention.write_kv(k.contiguous(), v.contiguous(), kc, vc, slots)
+    cpu_attention.write_kv(k, v, kc2, vc2, slots)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2) and not torch.equal(kc, vc)
+
+
 def test_concatenated_layers_compute_the_same_outputs():
     from core.model.fuse import concat_rows
 

@@ -351,7 +351,14 @@ static inline void store_o_tiles(int64_t rows, Dst dst, Inv inv) {
   for (int64_t r = 0; r < rows; ++r) {
     const __m512 acc[4] = {_mm512_load_ps(o[0] + r * 16), _mm512_load_ps(o[1] + r * 16),
                            _mm512_load_ps(o[2] + r * 16), _mm512_load_ps(o[3] + r * 16)};
-    store_unpacked<2>(dst(r), acc, _mm512_set1_ps(inv(r)));
+    if constexpr (std::is_same_v<decltype(dst(r)), at::BFloat16*>) {  // rounded once, as .to(bf16) rounds
+      alignas(64) float row[64];
+      store_unpacked<2>(row, acc, _mm512_set1_ps(inv(r)));
+      for (int c = 0; c < 4; ++c)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst(r) + c * 16), (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(row + c * 16)));
+    } else {
+      store_unpacked<2>(dst(r), acc, _mm512_set1_ps(inv(r)));
+    }
   }
 }
 
@@ -368,8 +375,10 @@ static void configure_decode_tiles(int64_t G) {
   _tile_loadconfig(&c);
 }
 
-static void decode_kernel_amx(const float* q, const at::BFloat16* kc, const at::BFloat16* vc, const int64_t* tables,
-                              const int64_t* ctx_lens, float* out, int64_t B, int64_t H, int64_t KVH, int64_t BS,
+// q and out fp32, or bf16 for a bf16 model (read and written as they are: no converted copies)
+template <typename QT>
+static void decode_kernel_amx(const QT* q, const at::BFloat16* kc, const at::BFloat16* vc, const int64_t* tables,
+                              const int64_t* ctx_lens, QT* out, int64_t B, int64_t H, int64_t KVH, int64_t BS,
                               int64_t D, int64_t W, int64_t stride_blk, float scale) {
   const int64_t G = H / KVH, NS = D / 32;
   int64_t max_ctx = 0;
@@ -380,26 +389,36 @@ static void decode_kernel_amx(const float* q, const at::BFloat16* kc, const at::
     std::vector<float> scores(G * cap);
     std::vector<uint16_t> probs(G * cap);
     std::vector<uint16_t> qt(NS * 16 * 32);                 // Q^T: per 32 dims, 16 rows of (q, d pair)
-    alignas(64) float st[16 * 16];                           // one S^T tile
-    alignas(64) uint16_t vp[4][16 * 32];                     // 32 value rows in pair layout, 64 dims
+    alignas(64) float st[2][16 * 16];                        // S^T tiles, two chunks
+    alignas(64) uint16_t vp[2][4][16 * 32];                  // 32 value rows in pair layout, 64 dims, twice
     const __m512i cols = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                             _mm512_set1_epi32(16));
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / KVH, h = task % KVH, ctx = ctx_lens[b], padded = (ctx + 31) / 32 * 32;
       if (ctx == 0) {
-        for (int64_t g = 0; g < G; ++g) std::fill(out + (b * H + h * G + g) * D, out + (b * H + h * G + g + 1) * D, 0.f);
+        for (int64_t g = 0; g < G; ++g) std::fill(out + (b * H + h * G + g) * D, out + (b * H + h * G + g + 1) * D, QT(0.f));
         continue;
       }
       std::fill(qt.begin(), qt.end(), 0);
       for (int64_t g = 0; g < G; ++g) {  // bf16 queries (exact for a bf16 model); the scale goes on the scores
-        const float* qrow = q + (b * H + h * G + g) * D;
+        const QT* qrow = q + (b * H + h * G + g) * D;
         for (int64_t d = 0; d < D; ++d) {
-          const at::BFloat16 x(qrow[d]);
+          const at::BFloat16 x = static_cast<at::BFloat16>(qrow[d]);
           qt[qt_slot(d, g)] = x.x;
         }
       }
       const int64_t* table = tables + b * W;
-      // pass 1: scores
+      // pass 1: scores. A chunk's S^T tile goes out to st while the next chunk's products run, and is
+      // read into the scores then (vector loads of a tile store still draining would wait for it)
+      auto to_scores = [&](const float* tile, int64_t pos) {
+        const int n = static_cast<int>(std::min<int64_t>(16, ctx - pos));
+        const __mmask16 live = static_cast<__mmask16>((1u << n) - 1);
+        for (int64_t g = 0; g < G; ++g)  // column g of S^T: query head g's scores of these keys
+          _mm512_mask_storeu_ps(scores.data() + g * cap + pos, live,
+                                _mm512_mul_ps(_mm512_i32gather_ps(cols, tile + g, 4), _mm512_set1_ps(scale)));
+      };
+      int64_t pending = -1;  // the key position of the chunk in st[pending_buf], not yet in the scores
+      int pending_buf = 0;
       for (int64_t start = 0; start < ctx; start += BS) {
         const at::BFloat16* kb = kc + table[start / BS] * stride_blk + h * BS * D;
         if (start + 2 * BS < ctx) {  // blocks are scattered: fetch the one after next while this one computes
@@ -413,14 +432,13 @@ static void decode_kernel_amx(const float* q, const at::BFloat16* kc, const at::
             _tile_loadd(6, qt.data() + s * 512, 64);
             _tile_dpbf16ps(4, 5, 6);
           }
-          _tile_stored(4, st, 64);
-          const int n = static_cast<int>(std::min<int64_t>(16, ctx - start - t0));
-          const __mmask16 live = static_cast<__mmask16>((1u << n) - 1);
-          for (int64_t g = 0; g < G; ++g)  // column g of S^T: query head g's scores of these keys
-            _mm512_mask_storeu_ps(scores.data() + g * cap + start + t0, live,
-                                  _mm512_mul_ps(_mm512_i32gather_ps(cols, st + g, 4), _mm512_set1_ps(scale)));
+          if (pending >= 0) to_scores(st[pending_buf], pending);
+          pending_buf ^= 1;
+          _tile_stored(4, st[pending_buf], 64);
+          pending = start + t0;
         }
       }
+      to_scores(st[pending_buf], pending);
       // the softmax, exact over the context
       float inv[16];
       for (int64_t g = 0; g < G; ++g) {
@@ -449,7 +467,9 @@ static void decode_kernel_amx(const float* q, const at::BFloat16* kc, const at::
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
-        for (int64_t t0 = 0; t0 < ctx; t0 += 32) {
+        // the value pairs of keys t0... into buf (vector stores), a chunk ahead of the tiles that read
+        // them: a tile load of lines still in the store buffer waits for it to drain
+        auto pack_values = [&](int64_t t0, uint16_t (*buf)[16 * 32]) {
           for (int64_t r = 0; r < 16; ++r) {  // keys t0 + 2r, t0 + 2r + 1 (never across a block: BS is even)
             const int64_t t = t0 + 2 * r;
             if (t + 65 < ctx) {  // the rows two tiles on, while this one computes
@@ -467,16 +487,21 @@ static void decode_kernel_amx(const float* q, const at::BFloat16* kc, const at::
             } else {
               for (auto& p : pair) p = _mm512_setzero_si512();
             }
-            for (int c = 0; c < 4; ++c) _mm512_store_si512(vp[c] + r * 32, pair[c]);
+            for (int c = 0; c < 4; ++c) _mm512_store_si512(buf[c] + r * 32, pair[c]);
           }
+        };
+        pack_values(0, vp[0]);
+        for (int64_t t0 = 0, i = 0; t0 < ctx; t0 += 32, ++i) {
+          uint16_t (*cur)[16 * 32] = vp[i & 1];
+          if (t0 + 32 < ctx) pack_values(t0 + 32, vp[(i + 1) & 1]);
           _tile_loadd(7, probs.data() + t0, cap * 2);
-          _tile_loadd(6, vp[0], 64);
+          _tile_loadd(6, cur[0], 64);
           _tile_dpbf16ps(0, 7, 6);
-          _tile_loadd(6, vp[1], 64);
+          _tile_loadd(6, cur[1], 64);
           _tile_dpbf16ps(1, 7, 6);
-          _tile_loadd(6, vp[2], 64);
+          _tile_loadd(6, cur[2], 64);
           _tile_dpbf16ps(2, 7, 6);
-          _tile_loadd(6, vp[3], 64);
+          _tile_loadd(6, cur[3], 64);
           _tile_dpbf16ps(3, 7, 6);
         }
         store_o_tiles(G, [&](int64_t g) { return out + (b * H + h * G + g) * D + d0; }, [&](int64_t g) { return inv[g]; });
@@ -507,24 +532,34 @@ static void dispatch(const float* q, const KV* kc, const KV* vc, const at::Half*
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
                            torch::Tensor context_lens, double scale, c10::optional<torch::Tensor> k_scale,
                            c10::optional<torch::Tensor> v_scale) {
-  auto qf = q.to(torch::kFloat32).contiguous();
   auto tables = block_tables.to(torch::kInt64).contiguous();
   auto lens = context_lens.to(torch::kInt64).contiguous();
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t KVH = k_cache.size(1), BS = k_cache.size(2), W = tables.size(1);
-  auto out = torch::empty({B, H, D}, qf.options());
   const at::Half* ks = k_scale.has_value() ? k_scale->data_ptr<at::Half>() : nullptr;
   const at::Half* vs = v_scale.has_value() ? v_scale->data_ptr<at::Half>() : nullptr;
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV cache must be contiguous");
   const int64_t stride = k_cache.stride(0);
 #if defined(SERVELAB_AMX_DECODE)
   if (k_cache.scalar_type() == torch::kBFloat16 && !ks && amx_decode_fits(H / KVH, BS, D)) {
+    if (q.scalar_type() == torch::kBFloat16) {  // a bf16 model's queries in, its output out, as they are
+      auto qc = q.contiguous();
+      auto out = torch::empty({B, H, D}, qc.options());
+      decode_kernel_amx(qc.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
+                        tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(), B, H, KVH,
+                        BS, D, W, stride, scale);
+      return out;
+    }
+    auto qf = q.to(torch::kFloat32).contiguous();
+    auto out = torch::empty({B, H, D}, qf.options());
     decode_kernel_amx(qf.data_ptr<float>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
                       tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<float>(), B, H, KVH, BS, D, W,
                       stride, scale);
     return out.to(q.scalar_type());
   }
 #endif
+  auto qf = q.to(torch::kFloat32).contiguous();
+  auto out = torch::empty({B, H, D}, qf.options());
   if (k_cache.scalar_type() == torch::kBFloat16) {
     dispatch(qf.data_ptr<float>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(), ks, vs,
                   tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<float>(), B, H, KVH, BS, D, W,
@@ -570,8 +605,22 @@ bool amx_decode_ready() {
 // can verify, so nothing is optimized away; four sums so the adds never wait on each other). Any
 // dtype whose rows are whole 32-byte multiples.
 uint64_t sum_words(const uint64_t* p, int64_t n) {
-  uint64_t a = 0, b = 0, c = 0, d = 0;
   int64_t i = 0;
+#if defined(SERVELAB_AVX512)
+  // 512-bit loads: with four scalar sums a core added 64 bits a cycle or so, and the "floor" was the
+  // loop's own speed (21 GB/s where the same rows read at 25, the bandwidth probe's rate)
+  __m512i va = _mm512_setzero_si512(), vb = va, vcc = va, vd = va;
+  for (; i + 32 <= n; i += 32) {
+    va = _mm512_add_epi64(va, _mm512_loadu_si512(p + i));
+    vb = _mm512_add_epi64(vb, _mm512_loadu_si512(p + i + 8));
+    vcc = _mm512_add_epi64(vcc, _mm512_loadu_si512(p + i + 16));
+    vd = _mm512_add_epi64(vd, _mm512_loadu_si512(p + i + 24));
+  }
+  uint64_t a = _mm512_reduce_add_epi64(_mm512_add_epi64(_mm512_add_epi64(va, vb), _mm512_add_epi64(vcc, vd)));
+  uint64_t b = 0, c = 0, d = 0;
+#else
+  uint64_t a = 0, b = 0, c = 0, d = 0;
+#endif
   for (; i + 4 <= n; i += 4) a += p[i], b += p[i + 1], c += p[i + 2], d += p[i + 3];
   for (; i < n; ++i) a += p[i];
   return a + b + c + d;
@@ -615,19 +664,24 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
               torch::Tensor slot_mapping) {
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() != torch::kChar,
               "write_kv: a contiguous bf16 / fp32 cache");
-  auto kc = k.to(k_cache.scalar_type()).contiguous(), vc = v.to(v_cache.scalar_type()).contiguous();
+  // rows of D contiguous elements are all a copy needs: the caller's views (k, v narrowed from one qkv
+  // output) are read in place
+  auto kc = k.to(k_cache.scalar_type()), vc = v.to(v_cache.scalar_type());
+  if (kc.stride(2) != 1) kc = kc.contiguous();
+  if (vc.stride(2) != 1) vc = vc.contiguous();
   auto slots = slot_mapping.to(torch::kInt64).contiguous();
   const int64_t T = kc.size(0), KVH = kc.size(1), D = kc.size(2), BS = k_cache.size(2);
   const int64_t esize = kc.element_size(), stride = k_cache.stride(0);
   const int64_t* sp = slots.data_ptr<int64_t>();
   char *kd = static_cast<char*>(k_cache.data_ptr()), *vd = static_cast<char*>(v_cache.data_ptr());
   const char *ks = static_cast<const char*>(kc.data_ptr()), *vs = static_cast<const char*>(vc.data_ptr());
+  const int64_t k_row = kc.stride(0), k_head = kc.stride(1), v_row = vc.stride(0), v_head = vc.stride(1);
   for (int64_t t = 0; t < T; ++t) {
     const int64_t blk = sp[t] / BS, off = sp[t] % BS;
     for (int64_t h = 0; h < KVH; ++h) {
-      const int64_t dst = (blk * stride + (h * BS + off) * D) * esize, src = ((t * KVH + h) * D) * esize;
-      std::memcpy(kd + dst, ks + src, D * esize);
-      std::memcpy(vd + dst, vs + src, D * esize);
+      const int64_t dst = (blk * stride + (h * BS + off) * D) * esize;
+      std::memcpy(kd + dst, ks + (t * k_row + h * k_head) * esize, D * esize);
+      std::memcpy(vd + dst, vs + (t * v_row + h * v_head) * esize, D * esize);
     }
   }
 }

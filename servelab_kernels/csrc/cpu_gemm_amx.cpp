@@ -70,8 +70,11 @@ namespace amx_gemm {
 // One block of output columns [n0, n0 + nw) for one or two 16-row activation tiles (a1 null: one;
 // s0, s1 their row strides in bytes). Tiles 0-3: the sums [16 rows][16 columns] (tile t: rows of
 // activation tile t / 2, columns of weight half t % 2); 4-5 the activations; 6-7 the weight halves.
+// `between` runs after the products are issued and before the sums are stored (the caller rounds the
+// previous pass's sums there, while the tiles compute).
+template <typename Between>
 inline void block_pass(const uint16_t* a0, int64_t s0, const uint16_t* a1, int64_t s1, const uint16_t* w, int64_t nw,
-                       int64_t K, float (*c)[256]) {
+                       int64_t K, float (*c)[256], Between between) {
   const bool two_m = a1 != nullptr;
   const bool two_n = nw == BLOCK_N;
   _tile_zero(0);
@@ -93,6 +96,7 @@ inline void block_pass(const uint16_t* a0, int64_t s0, const uint16_t* a1, int64
       if (two_n) _tile_dpbf16ps(3, 5, 7);
     }
   }
+  between();
   _tile_stored(0, c[0], 64);
   if (two_n) _tile_stored(1, c[1], 64);
   if (two_m) _tile_stored(2, c[2], 64);
@@ -144,21 +148,35 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::
   const int64_t NB = (N + amx_gemm::BLOCK_N - 1) / amx_gemm::BLOCK_N;
   at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
     ::amx::configure_full();
-    alignas(64) float c[4][256];
+    // The sums of a pass go out to one of two buffers and are rounded into y after the next pass's
+    // products are issued: vector loads of lines a tile store has not yet drained wait for it, and
+    // the wait, once a pass, cost the kernel about a tenth of its time
+    alignas(64) float c[2][4][256];
+    struct Pass { int64_t n0 = -1, nw = 0, mt = 0; bool two_m = false; } done[2];
+    int cur = 0;
+    auto round_out = [&](int buf) {
+      const Pass& p = done[buf];
+      if (p.n0 < 0) return;
+      for (int64_t h = 0; h < (p.two_m ? 2 : 1); ++h) {
+        const int64_t m0 = (p.mt + h) * 16, rows = std::min<int64_t>(16, M - m0);
+        for (int64_t s = 0; s < p.nw / 16; ++s)
+          amx_gemm::store_rows(c[buf], int(2 * h + s), rows, bp ? bp + p.n0 + 16 * s : nullptr,
+                               yp + m0 * N + p.n0 + 16 * s, N);
+      }
+      done[buf].n0 = -1;
+    };
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * amx_gemm::BLOCK_N, nw = std::min(amx_gemm::BLOCK_N, N - n0);
       const uint16_t* w = wp + amx_gemm::tile_offset(n0, nw, K, 0, 0);
       for (int64_t mt = 0; mt < MT; mt += 2) {
         const bool two_m = mt + 1 < MT;
         amx_gemm::block_pass(a_tile(mt), a_stride(mt), two_m ? a_tile(mt + 1) : nullptr, two_m ? a_stride(mt + 1) : 0,
-                             w, nw, K, c);
-        for (int64_t h = 0; h < (two_m ? 2 : 1); ++h) {
-          const int64_t m0 = (mt + h) * 16, rows = std::min<int64_t>(16, M - m0);
-          for (int64_t s = 0; s < nw / 16; ++s)
-            amx_gemm::store_rows(c, int(2 * h + s), rows, bp ? bp + n0 + 16 * s : nullptr, yp + m0 * N + n0 + 16 * s, N);
-        }
+                             w, nw, K, c[cur], [&] { round_out(cur ^ 1); });
+        done[cur] = Pass{n0, nw, mt, two_m};
+        cur ^= 1;
       }
     }
+    round_out(cur ^ 1);
     _tile_release();
   });
   return y;
