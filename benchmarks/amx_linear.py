@@ -24,7 +24,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from benchmarks.ab import alternating_rounds, write_report
+from benchmarks.ab import alternating_rounds, mean_seconds, write_report
 from benchmarks.profile_step import decoding_engine
 from servelab_kernels import amx_linear, cpu_ops
 from servelab_kernels import linear as lin
@@ -37,13 +37,7 @@ CHAIN_ROWS = (1, 2, 3, 8, 16, 32, 64, 128, 256)
 
 
 def _median_ms(fn, n: int) -> float:
-    times = []
-    for _ in range(ROUNDS):
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        times.append((time.perf_counter() - t) / n)
-    return statistics.median(times) * 1e3
+    return statistics.median(mean_seconds(fn, n) for _ in range(ROUNDS)) * 1e3
 
 
 def shapes() -> dict:

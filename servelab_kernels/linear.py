@@ -231,7 +231,7 @@ class Linear(nn.Linear):
         key = (w.data_ptr(), w._version, tuple(w.shape))
         if self._packed is None or self._packed[:3] != key:
             self._packed = (*key, {})  # the old copies' bytes are given back as they are freed
-        layout = "tiles" if amx_linear.use(w) else "onednn"
+        layout = _layout(w)
         copies = self._packed[3]
         if layout not in copies:
             nbytes = w.numel() * w.element_size()
@@ -245,5 +245,9 @@ class Linear(nn.Linear):
 
     def packed_copy(self) -> torch.Tensor | None:
         """The packed copy of the layout in use now, if one was made (None: not made, or no room)."""
-        layout = "tiles" if amx_linear.use(self.weight) else "onednn"
-        return self._packed[3].get(layout) if self._packed is not None else None
+        return self._packed[3].get(_layout(self.weight)) if self._packed is not None else None
+
+
+def _layout(weight: torch.Tensor) -> str:
+    """Which packed copy a bf16 weight's calls take now: the tiles' (`amx_linear.use`) or oneDNN's."""
+    return "tiles" if amx_linear.use(weight) else "onednn"

@@ -542,19 +542,18 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   const int64_t stride = k_cache.stride(0);
 #if defined(SERVELAB_AMX_DECODE)
   if (k_cache.scalar_type() == torch::kBFloat16 && !ks && amx_decode_fits(H / KVH, BS, D)) {
-    if (q.scalar_type() == torch::kBFloat16) {  // a bf16 model's queries in, its output out, as they are
-      auto qc = q.contiguous();
-      auto out = torch::empty({B, H, D}, qc.options());
-      decode_kernel_amx(qc.data_ptr<at::BFloat16>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
-                        tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<at::BFloat16>(), B, H, KVH,
-                        BS, D, W, stride, scale);
-      return out;
-    }
-    auto qf = q.to(torch::kFloat32).contiguous();
-    auto out = torch::empty({B, H, D}, qf.options());
-    decode_kernel_amx(qf.data_ptr<float>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
-                      tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), out.data_ptr<float>(), B, H, KVH, BS, D, W,
-                      stride, scale);
+    // a bf16 model's queries are read and its output written as they are (no converted copies)
+    const bool bf16 = q.scalar_type() == torch::kBFloat16;
+    auto qk = bf16 ? q.contiguous() : q.to(torch::kFloat32).contiguous();
+    auto out = torch::empty({B, H, D}, qk.options());
+    auto run = [&](auto* qp, auto* op) {
+      decode_kernel_amx(qp, k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(), tables.data_ptr<int64_t>(),
+                        lens.data_ptr<int64_t>(), op, B, H, KVH, BS, D, W, stride, scale);
+    };
+    if (bf16)
+      run(qk.data_ptr<at::BFloat16>(), out.data_ptr<at::BFloat16>());
+    else
+      run(qk.data_ptr<float>(), out.data_ptr<float>());
     return out.to(q.scalar_type());
   }
 #endif
