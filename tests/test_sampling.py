@@ -171,3 +171,26 @@ def test_unseeded_rows_do_not_disturb_a_seeded_one(engine):
     crowd = [SamplingParams(max_tokens=12, temperature=1.3, top_k=5) for _ in range(5)]
     mixed = engine.generate(["a", "seeded", "b", "c", "d", "e"], crowd[:1] + [p] + crowd[1:])
     assert mixed[1].outputs[0].token_ids == alone
+
+
+def test_a_bf16_models_logits_decode_as_their_fp32_copies():
+    """The head's bf16 logits go to the decoder as they are (no fp32 copy of the vocabulary rows): the
+    decoder's tokens and logprobs must be those of the same numbers upcast, greedy, seeded and filtered."""
+    from core.api import DecoderConfig, ScheduledSeq, Sequence
+    from plugins.decoders.sampling import SamplingDecoder
+
+    logits = (torch.randn(6, 4096, generator=torch.Generator().manual_seed(11)) * 3).to(torch.bfloat16)
+    params = [SamplingParams(temperature=0.0, logprobs=3), SamplingParams(temperature=0.7, seed=1),
+              SamplingParams(temperature=1.2, top_k=20, seed=2), SamplingParams(temperature=0.9, top_p=0.8, seed=3),
+              SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=4, logprobs=2)]
+
+    def decode(x):
+        seqs = [ScheduledSeq(Sequence(f"r{i}", [1, 2], p), 1) for i, p in enumerate(params)]
+        out = SamplingDecoder(DecoderConfig(), vocab_size=4096, seed=0).accept(x, seqs)
+        return [out.token_ids[s.seq.seq_id] for s in seqs], [out.logprobs.get(s.seq.seq_id) for s in seqs]
+
+    tokens, logprobs = decode(logits)
+    tokens32, logprobs32 = decode(logits.float())
+    assert tokens == tokens32
+    assert logprobs == logprobs32
+    assert logprobs[0][0]["top"] and logprobs[5][0]["top"]  # the logprobs rows were computed, not skipped

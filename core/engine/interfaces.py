@@ -164,7 +164,8 @@ class Backend(Protocol):
         """Copy whole KV blocks src -> dst in every layer."""
 
     def execute(self, batch: ModelInput) -> torch.Tensor:
-        """Logits [len(batch.logits_indices), vocab] in fp32."""
+        """Logits [len(batch.logits_indices), vocab] in the model's dtype (bf16 for a bf16 model: the
+        head's output as it is; a decoder upcasts what it computes probabilities on)."""
 
 
 class Quantizer(Protocol):

@@ -43,7 +43,7 @@ def quantize_tied_embedding(model: nn.Module, swapped: list[str], bits: int, gro
 
 
 def forward_prompt(model: nn.Module, token_ids: list[int], attention=None, kv_spec=None) -> torch.Tensor:
-    """Logits [len, vocab] of one prompt through servelab's model. With an attention backend and a
+    """Logits [len, vocab] in fp32 of one prompt through servelab's model. With an attention backend and a
     KVCacheSpec, through a throwaway one-block cache of that spec (an int8 cache quantizes what
     attention reads, as in serving); without, a plain causal pass (calibration)."""
     t = len(token_ids)
@@ -51,7 +51,7 @@ def forward_prompt(model: nn.Module, token_ids: list[int], attention=None, kv_sp
     ids, positions = torch.tensor(token_ids, device=device), torch.arange(t, device=device)
     with torch.inference_mode():
         if attention is None:
-            return model.compute_logits(model(ids, positions))
+            return model.compute_logits(model(ids, positions)).float()
         kv = attention.allocate_kv_cache(1, t, kv_spec, device)
         lens = torch.tensor([t], device=device)
         meta = AttentionMetadata(
@@ -61,7 +61,7 @@ def forward_prompt(model: nn.Module, token_ids: list[int], attention=None, kv_sp
             block_tables_cpu=[[0]],
         )
         meta.plan = attention.plan(meta)
-        return model.compute_logits(model(ids, positions, meta, kv, attention))
+        return model.compute_logits(model(ids, positions, meta, kv, attention)).float()
 
 
 def capture_linear_inputs(model: nn.Module, prompts: list[list[int]], max_rows: int = 512) -> dict[str, torch.Tensor]:

@@ -30,7 +30,7 @@ from core.api import (
     Sequence,
     load_model,
 )
-from plugins.decoders.sampling import apply_top_k_top_p, exponential_race
+from plugins.decoders.sampling import apply_top_k_top_p, exponential_race, greedy_tokens
 
 
 class NgramProposer:
@@ -162,7 +162,7 @@ class DraftProposer:
     def _draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], torch.Tensor | None]:
         """The draft's token per row (greedy: argmax; sampled: from its own filtered distribution,
         whose probabilities the verifier needs)."""
-        tokens = logits.argmax(dim=-1)
+        tokens = greedy_tokens(logits)
         probs = None
         sampled = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if sampled:
