@@ -67,14 +67,29 @@ bool amx_linear_ready() {
 #ifdef SERVELAB_AMX_GEMM
 namespace amx_gemm {
 
+// The next weight block, asked for into L2 a few lines per k step while this block's passes run: the
+// blocks lie back to back, but at 64 rows a block's passes take long enough that the hardware prefetcher
+// falls behind, and a burst into L1 at a block's start evicts the activation tiles in use. Spread over the
+// block's steps (T1), a 64-row decode step at context 384 ran 2.5-5 % faster on the AMX Xeon; T0, T2
+// and no prefetch were slower.
+struct Prefetch {
+  const char* next = nullptr;  // the next line of the next block to ask for
+  const char* end = nullptr;
+  int64_t lines = 0;  // lines a step
+};
+
+inline void prefetch_step(Prefetch& pf) {
+  for (int64_t i = 0; i < pf.lines && pf.next < pf.end; ++i, pf.next += 64) _mm_prefetch(pf.next, _MM_HINT_T1);
+}
+
 // One block of output columns [n0, n0 + nw) for one or two 16-row activation tiles (a1 null: one;
 // s0, s1 their row strides in bytes). Tiles 0-3: the sums [16 rows][16 columns] (tile t: rows of
 // activation tile t / 2, columns of weight half t % 2); 4-5 the activations; 6-7 the weight halves.
 // `between` runs after the products are issued and before the sums are stored (the caller rounds the
-// previous pass's sums there, while the tiles compute).
+// previous pass's sums there, while the tiles compute); `pf` asks for a slice of the next block each k step.
 template <typename Between>
 inline void block_pass(const uint16_t* a0, int64_t s0, const uint16_t* a1, int64_t s1, const uint16_t* w, int64_t nw,
-                       int64_t K, float (*c)[256], Between between) {
+                       int64_t K, float (*c)[256], Prefetch& pf, Between between) {
   const bool two_m = a1 != nullptr;
   const bool two_n = nw == BLOCK_N;
   _tile_zero(0);
@@ -83,6 +98,7 @@ inline void block_pass(const uint16_t* a0, int64_t s0, const uint16_t* a1, int64
   _tile_zero(3);
   for (int64_t kb = 0; kb < K / TILE_K; ++kb) {
     const uint16_t* wt = w + kb * nw * TILE_K;
+    prefetch_step(pf);
     _tile_loadd(4, a0 + kb * TILE_K, s0);
     _tile_loadd(6, wt, 64);
     _tile_dpbf16ps(0, 4, 6);
@@ -168,10 +184,18 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t n0 = b * amx_gemm::BLOCK_N, nw = std::min(amx_gemm::BLOCK_N, N - n0);
       const uint16_t* w = wp + amx_gemm::tile_offset(n0, nw, K, 0, 0);
+      amx_gemm::Prefetch pf;
+      if (b + 1 < b1) {
+        const int64_t next_nw = std::min(amx_gemm::BLOCK_N, N - n0 - amx_gemm::BLOCK_N);
+        pf.next = reinterpret_cast<const char*>(w + nw * K);
+        pf.end = pf.next + next_nw * K * 2;
+        const int64_t steps = (MT + 1) / 2 * (K / amx_gemm::TILE_K);
+        pf.lines = (next_nw * K * 2 / 64 + steps - 1) / steps;
+      }
       for (int64_t mt = 0; mt < MT; mt += 2) {
         const bool two_m = mt + 1 < MT;
         amx_gemm::block_pass(a_tile(mt), a_stride(mt), two_m ? a_tile(mt + 1) : nullptr, two_m ? a_stride(mt + 1) : 0,
-                             w, nw, K, c[cur], [&] { round_out(cur ^ 1); });
+                             w, nw, K, c[cur], pf, [&] { round_out(cur ^ 1); });
         done[cur] = Pass{n0, nw, mt, two_m};
         cur ^= 1;
       }
