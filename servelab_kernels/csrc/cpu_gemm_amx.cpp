@@ -187,7 +187,7 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t N, c10::
       amx_gemm::Prefetch pf;
       if (b + 1 < b1) {
         const int64_t next_nw = std::min(amx_gemm::BLOCK_N, N - n0 - amx_gemm::BLOCK_N);
-        pf.next = reinterpret_cast<const char*>(w + nw * K);
+        pf.next = reinterpret_cast<const char*>(wp + amx_gemm::tile_offset(n0 + nw, next_nw, K, 0, 0));
         pf.end = pf.next + next_nw * K * 2;
         const int64_t steps = (MT + 1) / 2 * (K / amx_gemm::TILE_K);
         pf.lines = (next_nw * K * 2 / 64 + steps - 1) / steps;
