@@ -39,7 +39,7 @@ def load(portable: bool = False):
     `portable`: without the AVX-512 code, as machines without it build it (for tests)."""
     return build("cpu_attention", portable, parts=("cpu_prefill",), prelude=("cpu_amx",),
                  functions=["paged_decode", "write_kv", "write_and_decode", "paged_prefill", "prefill_fast", "prefill_on_tiles",
-                            "set_amx_decode", "amx_decode_ready", "set_amx_prefill", "read_blocks"])
+                            "set_amx_decode", "set_two_pass_decode", "amx_decode_ready", "set_amx_prefill", "read_blocks"])
 
 
 def write_kv(k, v, k_cache, v_cache, slot_mapping, portable=False) -> None:
@@ -72,6 +72,12 @@ def amx_decode(on: bool):
     """bf16 decode on the AMX tile kernel (on, the default where ready) or the vector kernel (off)
     inside the block: for A/B runs and for tests of one against the other."""
     return _switched("set_amx_decode", on)
+
+
+def two_pass_decode(on: bool):
+    """bf16 decode on the vector path in two passes (on, the default: scores, then P.V) or in one pass
+    with a running max (off) inside the block: for A/B runs and tests."""
+    return _switched("set_two_pass_decode", on)
 
 
 def amx_prefill(on: bool):
