@@ -1,8 +1,8 @@
 """Decode attention on this machine against its KV-read floor, and the C++ prefill beside SDPA:
 `python -m benchmarks.decode_attention`.
 
-Each implementation (the torch reference, the C++ vector kernel, for bf16 caches that kernel's
-one-pass predecessor beside it, the AMX tile kernel where the CPU has AMX-BF16) over paged caches of SmolLM2's geometry (9 query heads, 3 KV heads, head_dim 64,
+Each implementation (the torch reference, the C++ vector kernel, its one-pass predecessor beside
+it, the AMX tile kernel where the CPU has AMX-BF16) over paged caches of SmolLM2's geometry (9 query heads, 3 KV heads, head_dim 64,
 blocks of 16, scattered over a pool): bytes of K and V read per call as a share of two floors.
 
 Read cold, as an engine reads them: a 30-layer model's caches are far past the last-level cache, so
@@ -134,8 +134,7 @@ def implementations(c: ColdCaches) -> dict:
 
     amx = cpu_attention.amx_decode_ready() and c.kc.dtype == torch.bfloat16
     return {"torch reference": reference, "C++ vector (attention=cpu)": vector,
-            "C++ vector in one pass (a running max: the kernel before 2026-12-06)":
-                one_pass if c.kc.dtype == torch.bfloat16 else None,
+            "C++ vector in one pass (a running max: the kernel before 2026-12-06)": one_pass,
             "C++ AMX tiles (attention=cpu, the default here)": tiles if amx else None,
             "read floor (read_blocks: the same reads, no arithmetic)":
                 lambda: cpu_attention.read_blocks(c.kc, c.vc, c.take(), lens)}

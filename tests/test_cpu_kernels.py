@@ -29,26 +29,33 @@ def test_decode_matches_the_reference(group, d, dtype, portable):
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
 @pytest.mark.parametrize("group, d, block_size", [(3, 64, 64), (4, 128, 16), (16, 128, 64), (6, 64, 32)])
-def test_two_pass_decode_matches_the_reference_and_the_one_pass_kernel(group, d, block_size):
+def test_two_pass_decode_matches_the_reference_and_the_one_pass_kernel(group, d, block_size, dtype):
     # 1 and 17 end mid-tile, 63 / 65 on either side of a 64-key block's end, 300 several blocks; the
     # groups 3 and 4 have their own code, 6 and 16 the general loop
     ctx_lens = [1, 17, 63, 65, 300]
-    kc, vc, _, bt = scattered_kv_cache(ctx_lens, 2, d, torch.bfloat16, seed=group, block_size=block_size,
-                                       num_blocks=64 * 16 // block_size)
+    kc, vc, scales, bt = scattered_kv_cache(ctx_lens, 2, d, dtype, seed=group, block_size=block_size,
+                                            num_blocks=64 * 16 // block_size)
     bt, lens = torch.cat([bt, bt[:1]]), torch.tensor(ctx_lens + [0])  # and a padding row of no context
     q = torch.randn(len(lens), 2 * group, d, generator=torch.Generator().manual_seed(4)).bfloat16()
     with cpu_attention.amx_decode(False):
-        two = cpu_attention.decode_attention(q, kc, vc, bt, lens, 0.125)
+        two = cpu_attention.decode_attention(q, kc, vc, bt, lens, 0.125, *scales)
         with cpu_attention.two_pass_decode(False):
-            one = cpu_attention.decode_attention(q, kc, vc, bt, lens, 0.125)
-    want = ref.decode_attention(q[:-1].float(), kc, vc, bt[:-1], lens[:-1], 0.125)
+            one = cpu_attention.decode_attention(q, kc, vc, bt, lens, 0.125, *scales)
+    want = ref.decode_attention(q[:-1].float(), kc, vc, bt[:-1], lens[:-1], 0.125, *scales)
     torch.testing.assert_close(two[:-1].float(), want.float(), atol=2e-2, rtol=2e-2)
     # the same products; the probabilities are taken against the context's max instead of a running
-    # one, so they round to bf16 differently: a few units in the last place apart
-    torch.testing.assert_close(two.float(), one.float(), atol=1e-2, rtol=1.6e-2)
+    # one and rounded to bf16 (the one-pass kernel keeps an INT8 cache's in fp32): a few units in the
+    # last place apart
+    torch.testing.assert_close(two.float(), one.float(), atol=2e-2, rtol=1.6e-2)
     assert torch.equal(two[-1], torch.zeros_like(two[-1]))  # an empty context attends over nothing
-    assert not torch.equal(two, cpu_attention.decode_attention(q, kc, vc, bt, lens, 0.25))  # it reads its inputs
+    assert not torch.equal(two, cpu_attention.decode_attention(q, kc, vc, bt, lens, 0.25, *scales))  # it reads its inputs
+    if scales:  # and the scales: a key's on its scores, a value's on its row
+        for i in (0, 1):
+            doubled = [s.clone() for s in scales]
+            doubled[i] *= 2
+            assert not torch.equal(two, cpu_attention.decode_attention(q, kc, vc, bt, lens, 0.125, *doubled))
 
 
 @pytest.mark.amx_bf16

@@ -322,22 +322,38 @@ static void decode_kernel_avx512(const float* q, const KV* kc, const KV* vc, con
 // T1 hint gained 1.11x: the passes' long runs of independent products are what the early reads feed.
 static bool two_pass_decode_on = true;
 
-template <int ND, int GT>
-static void decode_kernel_two_pass(const float* q, const at::BFloat16* kc, const at::BFloat16* vc,
+// INT8 rows (the cache's per-token scales applied outside the products) widened to bf16, exactly: 32
+// values a step, into dst.
+template <int NP>
+static inline void int8_row_to_bf16(const int8_t* src, uint16_t* dst) {
+  for (int c = 0; c < NP; ++c) {
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(src + 32 * c))));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(src + 32 * c + 16))));
+    _mm512_store_si512(dst + 32 * c, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+  }
+}
+
+// KV = at::BFloat16, or int8_t with per-token fp16 scales (ks, vs): the int8 rows are widened to bf16
+// (exact) and multiplied as bf16 pairs, a key's scale applied to its score, a value's folded into its
+// probability before the rounding to bf16 (the softmax's sum taken before it).
+template <typename KV, int ND, int GT>
+static void decode_kernel_two_pass(const float* q, const KV* kc, const KV* vc, const at::Half* ks, const at::Half* vs,
                                    const int64_t* tables, const int64_t* ctx_lens, float* out, int64_t B, int64_t H,
                                    int64_t KVH, int64_t BS, int64_t W, int64_t stride_blk, float scale) {
-  constexpr int64_t D = ND * 16;
+  constexpr int64_t D = ND * 16, ROW = D * static_cast<int64_t>(sizeof(KV));  // a row's bytes
+  constexpr bool i8 = std::is_same_v<KV, int8_t>;
   const int64_t G = GT > 0 ? GT : H / KVH;
   int64_t max_ctx = 0;
   for (int64_t b = 0; b < B; ++b) max_ctx = std::max(max_ctx, ctx_lens[b]);
   const int64_t cap = (max_ctx + 31) / 32 * 32;  // a row of scores / probabilities, padded (P is read in pairs)
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(G * cap);
+    std::vector<float> scores(G * cap), vscale(i8 ? cap : 0);
     std::vector<uint16_t> probs(G * cap);
     __m512bh qbh[16 * ND / 2];
     __m512 dots[16];
     float inv[16];
-    auto pf = [](const char* p) { _mm_prefetch(p, _MM_HINT_T1); };
+    alignas(64) uint16_t widened[16 * D];  // an INT8 tile of keys, or two value rows, as bf16
+    auto pf = [](const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); };
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / KVH, h = task % KVH, ctx = ctx_lens[b], padded = (ctx + 31) / 32 * 32;
       float* o0 = out + (b * H + h * G) * D;
@@ -351,24 +367,42 @@ static void decode_kernel_two_pass(const float* q, const at::BFloat16* kc, const
                                                     _mm512_loadu_ps(q + (b * H + h * G + g) * D + 32 * c));
       const int64_t* table = tables + b * W;
       const int64_t nblk = (ctx + BS - 1) / BS;
-      auto block = [&](const at::BFloat16* cache, int64_t j) {
+      auto block = [&](const KV* cache, int64_t j) {
         return reinterpret_cast<const char*>(cache + table[j] * stride_blk + h * BS * D);
       };
+      auto scales_of = [&](const at::Half* sc, int64_t j) { return sc + (table[j] * KVH + h) * BS; };
       // pass 1: scores
       const __m512 sc = _mm512_set1_ps(scale);
       for (int64_t j = 0; j < nblk; ++j) {
         const int64_t start = j * BS, n_keys = std::min(BS, ctx - start);
-        const at::BFloat16* kb = kc + table[j] * stride_blk + h * BS * D;
+        const KV* kb = kc + table[j] * stride_blk + h * BS * D;
         const char* next = j + 2 < nblk ? block(kc, j + 2) : j + 2 - nblk < std::min<int64_t>(2, nblk) ? block(vc, j + 2 - nblk) : nullptr;
         const char* also = j == 0 && task == begin && nblk > 1 ? block(kc, 1) : nullptr;
+        if constexpr (i8) {
+          if (j + 2 < nblk)
+            for (int64_t off = 0; off < BS * 2; off += 64) pf(reinterpret_cast<const char*>(scales_of(ks, j + 2)) + off),
+                                                           pf(reinterpret_cast<const char*>(scales_of(vs, j + 2)) + off);
+        }
         for (int64_t t0 = 0; t0 < n_keys; t0 += 16) {
-          for (int64_t off = t0 * D * 2; off < (t0 + 16) * D * 2; off += 64) {
+          for (int64_t off = t0 * ROW; off < (t0 + 16) * ROW; off += 64) {
             if (next) pf(next + off);
             if (also) pf(also + off);
           }
           const int n = static_cast<int>(std::min<int64_t>(16, n_keys - t0));
-          const at::BFloat16* kt = kb + t0 * D;
           const __mmask16 live = static_cast<__mmask16>(n == 16 ? 0xFFFF : (1u << n) - 1);
+          const uint16_t* kt;
+          if constexpr (i8) {
+            for (int t = 0; t < n; ++t) int8_row_to_bf16<ND / 2>(kb + (t0 + t) * D, widened + t * D);
+            kt = widened;
+          } else {
+            kt = reinterpret_cast<const uint16_t*>(kb + t0 * D);
+          }
+          __m512 kscale = sc;
+          if constexpr (i8) {
+            kscale = _mm512_mul_ps(sc, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, scales_of(ks, j) + t0)));
+            _mm512_mask_storeu_ps(vscale.data() + start + t0, live,
+                                  _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, scales_of(vs, j) + t0)));
+          }
           for (int64_t g = 0; g < G; ++g) {
             for (int t = 0; t < 16; ++t) dots[t] = _mm512_setzero_ps();
             auto dot_row = [&](int t) {
@@ -381,7 +415,7 @@ static void decode_kernel_two_pass(const float* q, const at::BFloat16* kc, const
             } else {
               for (int t = 0; t < n; ++t) dot_row(t);
             }
-            _mm512_mask_storeu_ps(scores.data() + g * cap + start + t0, live, _mm512_mul_ps(hsum16(dots), sc));
+            _mm512_mask_storeu_ps(scores.data() + g * cap + start + t0, live, _mm512_mul_ps(hsum16(dots), kscale));
           }
         }
       }
@@ -401,7 +435,8 @@ static void decode_kernel_two_pass(const float* q, const at::BFloat16* kc, const
           const __mmask16 live = static_cast<__mmask16>(left >= 16 ? 0xFFFF : left <= 0 ? 0 : (1u << left) - 1);
           const __m512 p = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sg + t), mx)));
           sum = _mm512_add_ps(sum, p);
-          _mm256_storeu_si256((__m256i*)(pg + t), (__m256i)_mm512_cvtneps_pbh(p));
+          const __m512 pv = i8 ? _mm512_mul_ps(p, _mm512_maskz_loadu_ps(live, vscale.data() + t)) : p;
+          _mm256_storeu_si256((__m256i*)(pg + t), (__m256i)_mm512_cvtneps_pbh(pv));
         }
         const float l = _mm512_reduce_add_ps(sum);
         inv[g] = l > 0.f ? 1.f / l : 0.f;
@@ -412,7 +447,7 @@ static void decode_kernel_two_pass(const float* q, const at::BFloat16* kc, const
         for (int64_t i = 0; i < G * 4; ++i) acc[i] = _mm512_setzero_ps();
         for (int64_t j = 0; j < nblk; ++j) {
           const int64_t start = j * BS, n_keys = std::min(BS, ctx - start);
-          const at::BFloat16* vb = vc + table[j] * stride_blk + h * BS * D + d0;
+          const KV* vb = vc + table[j] * stride_blk + h * BS * D + d0;
           const char* next = nullptr;
           if (d0 == 0 && j + 2 < nblk) {
             next = block(vc, j + 2);
@@ -422,9 +457,16 @@ static void decode_kernel_two_pass(const float* q, const at::BFloat16* kc, const
           }
           for (int64_t t = 0; t < n_keys; t += 2) {
             if (next && t % 16 == 0)
-              for (int64_t off = t * D * 2; off < (t + 16) * D * 2; off += 64) pf(next + off);
+              for (int64_t off = t * ROW; off < (t + 16) * ROW; off += 64) pf(next + off);
             __m512i pair[4];
-            value_pairs<2>(vb + t * D, t + 1 < n_keys ? vb + (t + 1) * D : nullptr, pair);
+            const bool two = t + 1 < n_keys;
+            if constexpr (i8) {
+              int8_row_to_bf16<2>(vb + t * D, widened);
+              if (two) int8_row_to_bf16<2>(vb + (t + 1) * D, widened + 64);
+              value_pairs<2>(widened, two ? widened + 64 : nullptr, pair);
+            } else {
+              value_pairs<2>(vb + t * D, two ? vb + (t + 1) * D : nullptr, pair);
+            }
             for (int64_t g = 0; g < G; ++g) {
               uint32_t pp;  // (p[t], p[t+1]); past the context p is 0
               std::memcpy(&pp, probs.data() + g * cap + start + t, 4);
@@ -671,14 +713,15 @@ static void dispatch(const float* q, const KV* kc, const KV* vc, const at::Half*
                      const int64_t* tables, const int64_t* ctx_lens, float* out, int64_t B, int64_t H, int64_t KVH,
                      int64_t BS, int64_t D, int64_t W, int64_t stride_blk, float scale) {
 #if defined(SERVELAB_AVX512) && defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<KV, at::BFloat16>) {
-    if (two_pass_decode_on && H / KVH <= 16 && BS % 2 == 0 && (D == 64 || D == 128)) {
+  if constexpr (std::is_same_v<KV, at::BFloat16> || std::is_same_v<KV, int8_t>) {
+    const bool scaled = std::is_same_v<KV, int8_t>;
+    if (two_pass_decode_on && H / KVH <= 16 && BS % 2 == 0 && (D == 64 || D == 128) && (!scaled || (ks && vs))) {
       auto run = [&](auto nd) {
         constexpr int ND = decltype(nd)::value;
         switch (H / KVH) {
-          case 3: return decode_kernel_two_pass<ND, 3>(q, kc, vc, tables, ctx_lens, out, B, H, KVH, BS, W, stride_blk, scale);
-          case 4: return decode_kernel_two_pass<ND, 4>(q, kc, vc, tables, ctx_lens, out, B, H, KVH, BS, W, stride_blk, scale);
-          default: return decode_kernel_two_pass<ND, 0>(q, kc, vc, tables, ctx_lens, out, B, H, KVH, BS, W, stride_blk, scale);
+          case 3: return decode_kernel_two_pass<KV, ND, 3>(q, kc, vc, ks, vs, tables, ctx_lens, out, B, H, KVH, BS, W, stride_blk, scale);
+          case 4: return decode_kernel_two_pass<KV, ND, 4>(q, kc, vc, ks, vs, tables, ctx_lens, out, B, H, KVH, BS, W, stride_blk, scale);
+          default: return decode_kernel_two_pass<KV, ND, 0>(q, kc, vc, ks, vs, tables, ctx_lens, out, B, H, KVH, BS, W, stride_blk, scale);
         }
       };
       if (D == 64) return run(std::integral_constant<int, 4>{});
