@@ -68,6 +68,7 @@ CASES = {  # name: overrides on a tiny model (2 layers, hidden 64, 4 heads, 2 KV
     "int8": ["model.dtype=bf16", "quant=int8"],
     "int4": ["model.dtype=bf16", "quant=int4"],
     "int8-fp32": ["model.dtype=fp32", "quant=int8"],
+    "kv-int8": ["model.dtype=bf16", "cache.dtype=int8"],  # the cache quantized as the plan writes it
 }
 
 
@@ -113,14 +114,12 @@ def test_configurations_it_cannot_run_stay_eager_and_say_why(tiny_dirs, caplog):
         e = build(base + ["attention=torch"])
     assert e.backend.native_decode is None
     assert "decode steps run eagerly: attention backend TorchAttention has no write-and-decode op" in caplog.text
-    assert build(base + ["attention=cpu", "cache.dtype=int8"]).backend.native_decode is None
     mixed = build(base + ["attention=cpu", "quant=int8", "quant.keep=[model.layers.1.self_attn.k_proj]"])
     assert mixed.backend.native_decode is None
 
 
 @pytest.mark.parametrize("extra, reason", [
     (["attention=torch"], "attention backend TorchAttention has no write-and-decode op for this cache"),
-    (["attention=cpu", "cache.dtype=int8"], "attention backend CPUAttention has no write-and-decode op for this cache"),
     (["attention=cpu", "quant=int8", "quant.keep=[model.layers.1.self_attn.k_proj]"],
      "layer 1: its q/k/v projections are not fused"),
 ])
@@ -136,7 +135,7 @@ def test_a_plan_is_refused_a_linear_kind_it_does_not_know():
                                "servelab_cpu_attention::write_and_decode")
     with pytest.raises(RuntimeError, match="add a layer first"):
         plan.add_linear(0, False, torch.zeros(24, 16), None, None, None)
-    plan.add_layer(torch.ones(16), torch.ones(16), torch.zeros(1), torch.zeros(1))
+    plan.add_layer(torch.ones(16), torch.ones(16), torch.zeros(1), torch.zeros(1), None, None)
     with pytest.raises(RuntimeError, match="needs its op and its second tensor"):
         plan.add_linear(1, False, torch.zeros(24, 8, dtype=torch.uint8), None, None, None)
     with pytest.raises(RuntimeError, match="a TILES layer amx_linear and its packed weight"):

@@ -58,6 +58,33 @@ def test_two_pass_decode_matches_the_reference_and_the_one_pass_kernel(group, d,
             assert not torch.equal(two, cpu_attention.decode_attention(q, kc, vc, bt, lens, 0.125, *doubled))
 
 
+@pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])  # AVX-512 lanes and the loop
+def test_write_and_decode_quantizes_an_int8_cache_as_the_reference_does(portable):
+    from servelab_kernels.attention import write_kv
+
+    # a decode step's new tokens: one each for 48 sequences whose earlier tokens are in the cache (288
+    # rows quantized: a reciprocal in place of the division would be a unit off in some)
+    ctx_lens = [5, 40, 70] + [(37 * i) % 90 + 1 for i in range(45)]
+    kc, vc, scales, bt = scattered_kv_cache(ctx_lens, 3, 64, torch.int8, seed=7, block_size=16, num_blocks=320)
+    g = torch.Generator().manual_seed(8)
+    k, v = (torch.randn(48, 3, 64, generator=g).bfloat16() * 3 for _ in range(2))
+    k[0, 0, :4] = torch.tensor([127.0, 2.5, -3.5, 0.5])  # scale exactly 1: ties, rounded half to even
+    v[1, 2] = 0.0  # an all-zero row: the scale's floor
+    slots = torch.tensor([bt[i, n // 16].item() * 16 + n % 16 for i, n in enumerate(ctx_lens)])
+    lens = torch.tensor(ctx_lens) + 1
+    q = torch.randn(48, 9, 64, generator=g).bfloat16()
+    want_caches = [t.clone() for t in (kc, vc, *scales)]
+    write_kv(k, v, want_caches[0], want_caches[1], slots, *want_caches[2:])
+    want = ref.decode_attention(q.float(), want_caches[0], want_caches[1], bt, lens, 0.125, *want_caches[2:])
+    got = cpu_attention.load(portable).write_and_decode(q, k, v, kc, vc, slots, bt, lens, 0.125, *scales)
+    for mine, theirs in zip((kc, vc, *scales), want_caches):  # the C++ quantizer is the reference's twin
+        assert torch.equal(mine, theirs)
+    assert kc[bt[0, 0], 0, 5, :4].tolist() == [127, 2, -4, 0]
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    with pytest.raises(RuntimeError, match="needs its k_scale and v_scale"):
+        cpu_attention.load(portable).write_and_decode(q, k, v, kc, vc, slots, bt, lens, 0.125, None, None)
+
+
 @pytest.mark.amx_bf16
 @pytest.mark.parametrize("group, d, block_size", [(3, 64, 16), (8, 128, 32), (16, 64, 16)])
 def test_amx_decode_matches_the_reference_and_the_vector_kernel(group, d, block_size):

@@ -107,8 +107,10 @@ def build_plan(model, attention, kv_caches: list[tuple]):
     plan = cpu_decode.new_plan(model.rope.cos, model.rope.sin, model.model.norm.weight, args.num_heads,
                                args.num_kv_heads, args.head_dim, args.intermediate_size, model.model.norm.eps,
                                model.model.layers[0].self_attn.scale, attention.decode_op(kv_caches[0]))
-    for layer, (k_cache, v_cache) in zip(model.model.layers, kv_caches):
-        plan.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, k_cache, v_cache)
+    for layer, cache in zip(model.model.layers, kv_caches):
+        k_cache, v_cache, *scales = cache  # an INT8 cache carries its k and v scales
+        plan.add_layer(layer.input_layernorm.weight, layer.post_attention_layernorm.weight, k_cache, v_cache,
+                       *(scales or (None, None)))
         attn, mlp = layer.self_attn, layer.mlp
         for mod in (attn.qkv_proj.inner, attn.o_proj, mlp.gate_up_proj.inner, mlp.down_proj):
             kind, gemv, weight, second, packed, bias = cpu_decode.linear_spec(mod, dtype)

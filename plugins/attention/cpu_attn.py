@@ -82,16 +82,16 @@ class CPUAttention(TorchAttention):
 
     def decode_op(self, kv_cache: tuple) -> str | None:
         """The torch op `forward` runs for a decode-only step on this layer's cache (a native decode
-        plan calls it from C++), or None where that step takes the torch path (an int8 cache)."""
-        return cpu_attention.write_and_decode_op() if len(kv_cache) == 2 else None
+        plan calls it from C++): bf16, fp32 and INT8 caches (the last with its scales)."""
+        return cpu_attention.write_and_decode_op()
 
     def forward(self, q, k, v, kv_cache: tuple, meta, scale: float):
-        if len(kv_cache) > 2:  # an int8 cache quantizes as it writes: the torch path
-            return super().forward(q, k, v, kv_cache, meta, scale)
-        k_cache, v_cache = kv_cache
+        k_cache, v_cache, *scales = kv_cache
         if meta.plan.all_decode:  # one C++ call a layer: a decode step's attention is mostly call overhead
             return self.kernels.write_and_decode(q, k, v, k_cache, v_cache, meta.slot_mapping, meta.block_tables,
-                                                 meta.context_lens, scale)
+                                                 meta.context_lens, scale, *(scales or (None, None)))
+        if scales:  # an int8 cache's prefill chunks: the torch path, which quantizes as it writes
+            return super().forward(q, k, v, kv_cache, meta, scale)
         self.kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         return self.attend(q, kv_cache, meta, scale)
 

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -910,10 +911,77 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
   }
 }
 
-// A decode-only step's layer in one call: the new K/V written, then attention over the cache.
+// A row's INT8 scale from its largest magnitude, and (quantize_row) its values into dst: exact
+// divisions, as torch divides (this build's -ffast-math would otherwise multiply by a reciprocal,
+// a unit off now and then).
+__attribute__((optimize("no-fast-math"))) static float row_scale(float amax) { return std::max(amax / 127.0f, 1e-8f); }
+
+__attribute__((optimize("no-fast-math"))) static float quantize_row(const float* row, int64_t D, int8_t* dst) {
+  float amax = 0.f;
+  for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(row[d]));
+  const float s = row_scale(amax);
+  for (int64_t d = 0; d < D; ++d)
+    dst[d] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, std::nearbyint(row[d] / s))));
+  return s;
+}
+
+// New tokens' K and V [T, KVH, D] quantized into an INT8 cache and its fp16 scales [blocks, KVH, BS]:
+// the twin of servelab_kernels.attention.quantize_kv, value for value (a row's scale its largest
+// magnitude / 127 in fp32, at least 1e-8; each value divided by it, rounded half to even and clamped
+// to +-127; the scale stored rounded to fp16).
+static void write_kv_int8(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+                          torch::Tensor k_scale, torch::Tensor v_scale, torch::Tensor slot_mapping) {
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_scale.is_contiguous() && v_scale.is_contiguous() &&
+                  k_scale.scalar_type() == torch::kHalf && v_scale.scalar_type() == torch::kHalf,
+              "write_kv: an INT8 cache takes contiguous fp16 scales [blocks, kv_heads, block_size]");
+  auto slots = slot_mapping.to(torch::kInt64).contiguous();
+  const int64_t T = k.size(0), KVH = k.size(1), D = k.size(2), BS = k_cache.size(2), stride = k_cache.stride(0);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (auto [x, cache, scales] : {std::tuple{k.to(torch::kFloat32).contiguous(), k_cache, k_scale},
+                                  std::tuple{v.to(torch::kFloat32).contiguous(), v_cache, v_scale}}) {
+    const float* xd = x.data_ptr<float>();
+    auto* qd = cache.data_ptr<int8_t>();
+    auto* sd = scales.data_ptr<at::Half>();
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t blk = sp[t] / BS, off = sp[t] % BS;
+      for (int64_t h = 0; h < KVH; ++h) {
+        const float* row = xd + (t * KVH + h) * D;
+        int8_t* dst = qd + blk * stride + (h * BS + off) * D;
+#if defined(SERVELAB_AVX512)
+        if (D % 16 == 0) {  // the same divisions and roundings, 16 lanes at a time
+          __m512 m = _mm512_setzero_ps();
+          for (int64_t d = 0; d < D; d += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(row + d)));
+          const float s = row_scale(_mm512_reduce_max_ps(m));
+          const __m512 sv = _mm512_set1_ps(s), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+          for (int64_t d = 0; d < D; d += 16) {
+            // the rounding-mode form of the division: -ffast-math may not turn it into a reciprocal
+            const __m512 r = _mm512_roundscale_ps(
+                _mm512_div_round_ps(_mm512_loadu_ps(row + d), sv, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + d),
+                             _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_min_ps(hi, _mm512_max_ps(lo, r)))));
+          }
+          sd[(blk * KVH + h) * BS + off] = static_cast<at::Half>(s);
+          continue;
+        }
+#endif
+        sd[(blk * KVH + h) * BS + off] = static_cast<at::Half>(quantize_row(row, D, dst));
+      }
+    }
+  }
+}
+
+// A decode-only step's layer in one call: the new K/V written (quantized for an INT8 cache, whose
+// scales come with it), then attention over the cache.
 torch::Tensor write_and_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor k_cache,
                                torch::Tensor v_cache, torch::Tensor slot_mapping, torch::Tensor block_tables,
-                               torch::Tensor context_lens, double scale) {
+                               torch::Tensor context_lens, double scale, c10::optional<torch::Tensor> k_scale,
+                               c10::optional<torch::Tensor> v_scale) {
+  if (k_cache.scalar_type() == torch::kChar) {
+    TORCH_CHECK(k_scale && v_scale, "write_and_decode: an INT8 cache needs its k_scale and v_scale");
+    write_kv_int8(k, v, k_cache, v_cache, *k_scale, *v_scale, slot_mapping);
+    return paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale);
+  }
   write_kv(k, v, k_cache, v_cache, slot_mapping);
   return paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale, c10::nullopt, c10::nullopt);
 }
@@ -921,7 +989,7 @@ torch::Tensor write_and_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v
 // Also a torch op, for callers in C++ (csrc/cpu_decode.cpp); Python calls the module's function.
 TORCH_LIBRARY(SERVELAB_NS, m) {
   m.def("write_and_decode(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
-        "Tensor block_tables, Tensor context_lens, float scale) -> Tensor");
+        "Tensor block_tables, Tensor context_lens, float scale, Tensor(c!)? k_scale=None, Tensor(d!)? v_scale=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(SERVELAB_NS, CPU, m) {

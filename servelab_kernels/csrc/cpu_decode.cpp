@@ -22,7 +22,8 @@ using RotaryFn = at::Tensor(at::Tensor, at::Tensor, at::Tensor, at::Tensor);
 using SiluMulFn = at::Tensor(at::Tensor, at::Tensor);
 using Bf16LinearFn = at::Tensor(at::Tensor, at::Tensor);
 using WriteAndDecodeFn = at::Tensor(at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-                                    at::Tensor, at::Tensor, double);
+                                    at::Tensor, at::Tensor, double, c10::optional<at::Tensor>,
+                                    c10::optional<at::Tensor>);
 using Q4MatmulFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, bool);
 using Q8MatmulFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, bool);
 using AmxLinearFn = at::Tensor(at::Tensor, at::Tensor, int64_t, c10::optional<at::Tensor>);
@@ -51,6 +52,7 @@ struct Linear {
 
 struct Layer {
   at::Tensor input_norm, post_norm, k_cache, v_cache;
+  c10::optional<at::Tensor> k_scale, v_scale;  // an INT8 cache's fp16 scales
   Linear qkv, o, gate_up, down;
 };
 
@@ -78,8 +80,13 @@ struct DecodePlan : torch::CustomClassHolder {
     if (!ops[7].empty()) amx_linear_ = op<AmxLinearFn>(ops[7]);
   }
 
-  void add_layer(at::Tensor input_norm, at::Tensor post_norm, at::Tensor k_cache, at::Tensor v_cache) {
-    layers_.push_back(Layer{std::move(input_norm), std::move(post_norm), std::move(k_cache), std::move(v_cache)});
+  // k_scale, v_scale: an INT8 cache's scales (None for a bf16 / fp32 cache)
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm, at::Tensor k_cache, at::Tensor v_cache,
+                 c10::optional<at::Tensor> k_scale, c10::optional<at::Tensor> v_scale) {
+    TORCH_CHECK((k_cache.scalar_type() == at::kChar) == (k_scale.has_value() && v_scale.has_value()),
+                "add_layer: an INT8 cache comes with its k_scale and v_scale, and only an INT8 cache");
+    layers_.push_back(Layer{std::move(input_norm), std::move(post_norm), std::move(k_cache), std::move(v_cache),
+                            std::move(k_scale), std::move(v_scale)});
   }
 
   // The last layer's linears, in order: qkv, o, gate_up, down.
@@ -125,7 +132,7 @@ struct DecodePlan : torch::CustomClassHolder {
       q = rotary_.call(q, positions, cos_, sin_);
       k = rotary_.call(k, positions, cos_, sin_);
       at::Tensor o = write_and_decode_.call(q, k, v, layer.k_cache, layer.v_cache, slot_mapping, block_tables,
-                                            context_lens, scale_);
+                                            context_lens, scale_, layer.k_scale, layer.v_scale);
       x = linear(layer.o, o.reshape({rows, q_width}));
       auto normed = rms_norm_.call(x, layer.post_norm, eps_, residual);
       x = normed[0];
