@@ -75,8 +75,8 @@ def amx_decode(on: bool):
 
 
 def two_pass_decode(on: bool):
-    """bf16 decode on the vector path in two passes (on, the default: scores, then P.V) or in one pass
-    with a running max (off) inside the block: for A/B runs and tests."""
+    """bf16 and INT8 decode on the vector path in two passes (on, the default: scores, then P.V) or in
+    one pass with a running max (off) inside the block: for A/B runs and tests."""
     return _switched("set_two_pass_decode", on)
 
 

@@ -323,6 +323,31 @@ static void decode_kernel_avx512(const float* q, const KV* kc, const KV* vc, con
 // T1 hint gained 1.11x: the passes' long runs of independent products are what the early reads feed.
 static bool two_pass_decode_on = true;
 
+// One query head's exact softmax over ctx scores: the probabilities rounded to bf16 into probs, zero
+// from ctx up to the next multiple of 32 (P is read in pairs and in 32-key tiles), each times its
+// value's scale where vscale is given (an INT8 cache; the sum is taken before it). Returns 1 / the sum
+// (0 for an empty row). Both two-pass kernels, vector and AMX, end their first pass with it.
+static inline float softmax_row(const float* scores, int64_t ctx, uint16_t* probs, const float* vscale) {
+  __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t t = 0; t < ctx; t += 16) {
+    const __mmask16 live = static_cast<__mmask16>(ctx - t >= 16 ? 0xFFFF : (1u << (ctx - t)) - 1);
+    vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(vmax, live, scores + t));
+  }
+  const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+  __m512 sum = _mm512_setzero_ps();
+  const int64_t padded = (ctx + 31) / 32 * 32;
+  for (int64_t t = 0; t < padded; t += 16) {
+    const int64_t left = ctx - t;
+    const __mmask16 live = static_cast<__mmask16>(left >= 16 ? 0xFFFF : left <= 0 ? 0 : (1u << left) - 1);
+    const __m512 p = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, scores + t), mx)));
+    sum = _mm512_add_ps(sum, p);
+    const __m512 pv = vscale ? _mm512_mul_ps(p, _mm512_maskz_loadu_ps(live, vscale + t)) : p;
+    _mm256_storeu_si256((__m256i*)(probs + t), (__m256i)_mm512_cvtneps_pbh(pv));
+  }
+  const float l = _mm512_reduce_add_ps(sum);
+  return l > 0.f ? 1.f / l : 0.f;
+}
+
 // INT8 rows (the cache's per-token scales applied outside the products) widened to bf16, exactly: 32
 // values a step, into dst.
 template <int NP>
@@ -356,7 +381,7 @@ static void decode_kernel_two_pass(const float* q, const KV* kc, const KV* vc, c
     alignas(64) uint16_t widened[16 * D];  // an INT8 tile of keys, or two value rows, as bf16
     auto pf = [](const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); };
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / KVH, h = task % KVH, ctx = ctx_lens[b], padded = (ctx + 31) / 32 * 32;
+      const int64_t b = task / KVH, h = task % KVH, ctx = ctx_lens[b];
       float* o0 = out + (b * H + h * G) * D;
       if (ctx == 0) {
         std::fill(o0, o0 + G * D, 0.f);
@@ -380,9 +405,12 @@ static void decode_kernel_two_pass(const float* q, const KV* kc, const KV* vc, c
         const char* next = j + 2 < nblk ? block(kc, j + 2) : j + 2 - nblk < std::min<int64_t>(2, nblk) ? block(vc, j + 2 - nblk) : nullptr;
         const char* also = j == 0 && task == begin && nblk > 1 ? block(kc, 1) : nullptr;
         if constexpr (i8) {
-          if (j + 2 < nblk)
-            for (int64_t off = 0; off < BS * 2; off += 64) pf(reinterpret_cast<const char*>(scales_of(ks, j + 2)) + off),
-                                                           pf(reinterpret_cast<const char*>(scales_of(vs, j + 2)) + off);
+          if (j + 2 < nblk) {  // and its scales
+            for (int64_t off = 0; off < BS * 2; off += 64) {
+              pf(reinterpret_cast<const char*>(scales_of(ks, j + 2)) + off);
+              pf(reinterpret_cast<const char*>(scales_of(vs, j + 2)) + off);
+            }
+          }
         }
         for (int64_t t0 = 0; t0 < n_keys; t0 += 16) {
           for (int64_t off = t0 * ROW; off < (t0 + 16) * ROW; off += 64) {
@@ -421,27 +449,8 @@ static void decode_kernel_two_pass(const float* q, const KV* kc, const KV* vc, c
         }
       }
       // the softmax, exact over the context
-      for (int64_t g = 0; g < G; ++g) {
-        const float* sg = scores.data() + g * cap;
-        __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-        for (int64_t t = 0; t < ctx; t += 16) {
-          const __mmask16 live = static_cast<__mmask16>(ctx - t >= 16 ? 0xFFFF : (1u << (ctx - t)) - 1);
-          vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(vmax, live, sg + t));
-        }
-        const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
-        __m512 sum = _mm512_setzero_ps();
-        uint16_t* pg = probs.data() + g * cap;
-        for (int64_t t = 0; t < padded; t += 16) {
-          const int64_t left = ctx - t;
-          const __mmask16 live = static_cast<__mmask16>(left >= 16 ? 0xFFFF : left <= 0 ? 0 : (1u << left) - 1);
-          const __m512 p = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sg + t), mx)));
-          sum = _mm512_add_ps(sum, p);
-          const __m512 pv = i8 ? _mm512_mul_ps(p, _mm512_maskz_loadu_ps(live, vscale.data() + t)) : p;
-          _mm256_storeu_si256((__m256i*)(pg + t), (__m256i)_mm512_cvtneps_pbh(pv));
-        }
-        const float l = _mm512_reduce_add_ps(sum);
-        inv[g] = l > 0.f ? 1.f / l : 0.f;
-      }
+      for (int64_t g = 0; g < G; ++g)
+        inv[g] = softmax_row(scores.data() + g * cap, ctx, probs.data() + g * cap, i8 ? vscale.data() : nullptr);
       // pass 2: P . V, 64 dims at a time (the accumulators of every head in registers)
       for (int64_t d0 = 0; d0 < D; d0 += 64) {
         __m512 acc[16 * 4];
@@ -570,7 +579,7 @@ static void decode_kernel_amx(const QT* q, const at::BFloat16* kc, const at::BFl
     const __m512i cols = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
                                             _mm512_set1_epi32(16));
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / KVH, h = task % KVH, ctx = ctx_lens[b], padded = (ctx + 31) / 32 * 32;
+      const int64_t b = task / KVH, h = task % KVH, ctx = ctx_lens[b];
       if (ctx == 0) {
         for (int64_t g = 0; g < G; ++g) std::fill(out + (b * H + h * G + g) * D, out + (b * H + h * G + g + 1) * D, QT(0.f));
         continue;
@@ -628,26 +637,7 @@ static void decode_kernel_amx(const QT* q, const at::BFloat16* kc, const at::BFl
       to_scores(st[pending_buf], pending);
       // the softmax, exact over the context
       float inv[16];
-      for (int64_t g = 0; g < G; ++g) {
-        float* sg = scores.data() + g * cap;
-        __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-        for (int64_t t = 0; t < ctx; t += 16) {
-          const __mmask16 live = static_cast<__mmask16>(ctx - t >= 16 ? 0xFFFF : (1u << (ctx - t)) - 1);
-          vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(vmax, live, sg + t));
-        }
-        const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
-        __m512 sum = _mm512_setzero_ps();
-        uint16_t* pg = probs.data() + g * cap;
-        for (int64_t t = 0; t < padded; t += 16) {
-          const int64_t left = ctx - t;
-          const __mmask16 live = static_cast<__mmask16>(left >= 16 ? 0xFFFF : left <= 0 ? 0 : (1u << left) - 1);
-          const __m512 p = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sg + t), mx)));
-          sum = _mm512_add_ps(sum, p);
-          _mm256_storeu_si256((__m256i*)(pg + t), (__m256i)_mm512_cvtneps_pbh(p));
-        }
-        const float l = _mm512_reduce_add_ps(sum);
-        inv[g] = l > 0.f ? 1.f / l : 0.f;
-      }
+      for (int64_t g = 0; g < G; ++g) inv[g] = softmax_row(scores.data() + g * cap, ctx, probs.data() + g * cap, nullptr);
       // pass 2: P . V, 64 dims at a time
       for (int64_t d0 = 0; d0 < D; d0 += 64) {
         _tile_zero(0);
@@ -803,8 +793,8 @@ bool set_amx_decode(bool on) {
 #endif
 }
 
-// Whether bf16 decode on the vector path takes the two-pass kernel; false keeps the one-pass (A/B runs,
-// tests). Returns the setting before.
+// Whether bf16 and INT8 decode on the vector path take the two-pass kernel; false keeps the one-pass
+// (A/B runs, tests). Returns the setting before.
 bool set_two_pass_decode(bool on) {
 #if defined(SERVELAB_AVX512) && defined(__AVX512BF16__)
   const bool before = two_pass_decode_on;
@@ -933,7 +923,7 @@ static void write_kv_int8(torch::Tensor k, torch::Tensor v, torch::Tensor k_cach
                           torch::Tensor k_scale, torch::Tensor v_scale, torch::Tensor slot_mapping) {
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_scale.is_contiguous() && v_scale.is_contiguous() &&
                   k_scale.scalar_type() == torch::kHalf && v_scale.scalar_type() == torch::kHalf,
-              "write_kv: an INT8 cache takes contiguous fp16 scales [blocks, kv_heads, block_size]");
+              "write_and_decode: an INT8 cache takes contiguous fp16 scales [blocks, kv_heads, block_size]");
   auto slots = slot_mapping.to(torch::kInt64).contiguous();
   const int64_t T = k.size(0), KVH = k.size(1), D = k.size(2), BS = k_cache.size(2), stride = k_cache.stride(0);
   const int64_t* sp = slots.data_ptr<int64_t>();
