@@ -135,6 +135,11 @@ def test_a_plan_is_refused_a_linear_kind_it_does_not_know():
                                "servelab_cpu_attention::write_and_decode")
     with pytest.raises(RuntimeError, match="add a layer first"):
         plan.add_linear(0, False, torch.zeros(24, 16), None, None, None)
+    int8 = torch.zeros(1, dtype=torch.int8)
+    with pytest.raises(RuntimeError, match="an INT8 cache comes with its k_scale and v_scale"):
+        plan.add_layer(torch.ones(16), torch.ones(16), int8, int8, None, None)
+    with pytest.raises(RuntimeError, match="and only an INT8 cache"):
+        plan.add_layer(torch.ones(16), torch.ones(16), torch.zeros(1), torch.zeros(1), torch.ones(1), torch.ones(1))
     plan.add_layer(torch.ones(16), torch.ones(16), torch.zeros(1), torch.zeros(1), None, None)
     with pytest.raises(RuntimeError, match="needs its op and its second tensor"):
         plan.add_linear(1, False, torch.zeros(24, 8, dtype=torch.uint8), None, None, None)
