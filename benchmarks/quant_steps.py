@@ -2,7 +2,7 @@
 
 One engine per configuration (bf16, `quant=int8`, `quant=gguf`, or `--quant ...`) on the embedded
 model, three step shapes: 64 decodes; 64 decodes plus a fresh 192-token prompt prefilled in the
-same step (256 tokens: the CPU's default step budget, the steps `chat_longtail` is made of); one
+same step (256 tokens: the CPU's default step budget until 2026-12-06, now 128); one
 decode (batch 1). Rounds alternate between the engines, so the machine's drift falls on all of
 them; the report gives each one's median step time and the median and range of its per-round speed
 against the unquantized model (> 1: faster). Where many-row INT8 steps run an integer GEMM (AMX tiles,

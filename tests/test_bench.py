@@ -90,4 +90,4 @@ def test_requests_larger_than_the_pool_are_counted_as_rejected(base, tmp_path):
     assert too_big == 0 and r["summary"]["rejected"] > 0
     assert r["summary"]["num_requests"] + r["summary"]["rejected"] == 12
     assert all("can never fit" in x["reason"] for x in r["rejected"])
-    assert r["config"]["scheduler"]["max_num_batched_tokens"] == 256  # null in conf/: the CPU's default, as run
+    assert r["config"]["scheduler"]["max_num_batched_tokens"] == 128  # null in conf/: the CPU's default, as run

@@ -69,7 +69,7 @@ def test_a_component_chosen_by_name_keeps_only_the_common_and_given_keys():
 
 
 @pytest.mark.parametrize("overrides, budget", [
-    ([], 256),  # the engine on this machine's CPU
+    ([], 128),  # the engine on this machine's CPU
     (["model.device=cpu", "scheduler=slo"], 1024),  # slo sizes its own steps; 1024 is only its cap
     (["backend=simulator", "hardware=h100-80gb", "model=llama-3.1-8b"], 1024),  # a simulated GPU
     (["scheduler.max_num_batched_tokens=512"], 512),  # a value given wins on any device
@@ -107,7 +107,7 @@ def test_a_simulated_cpu_gets_the_cpu_step_budget():
     ec = engine_config(compose(["backend=simulator", "hardware=a100-80gb", "model=llama-3.1-8b"]))
     assert default_step_budget(ec, simulated=True) == 1024
     cpu = HardwareProfile(name="cpu", bf16_tflops=0.9, memory_bandwidth_gbs=50, memory_gb=24)
-    assert default_step_budget(replace(ec, hardware=cpu), simulated=True) == 256
+    assert default_step_budget(replace(ec, hardware=cpu), simulated=True) == 128
 
 
 @pytest.mark.parametrize("flags, dtype", [({"avx2", "avx512f", "avx512_bf16"}, "bf16"), ({"avx2", "amx_bf16"}, "bf16"),

@@ -10,10 +10,13 @@ from core.errors import ConfigError
 from servelab_kernels.cpp_build import cpu_features as cpu_feature_flags  # (tests replace it here)
 
 # A step's token budget when the config leaves it null, per device, as vLLM picks its defaults per
-# device. Every running decode waits through the step's prefill chunk: on 2 CPU cores a 1,024-token
-# step takes about half a second (chat_longtail TPOT p50 277 ms), 256 tokens keep TPOT p50 at 133 ms
-# for 0.94x the output (reports/chunk-budget-chat_longtail); on a GPU 1,024 tokens take milliseconds.
-STEP_BUDGET = {"cpu": 256, "cuda": 1024}
+# device. Every running decode waits through the step's prefill chunk, and on 2 CPU cores a step costs
+# about 0.75 ms a token (bf16, 64 rows and up), so TPOT is about the budget's price: on the Zen 4 kind
+# chat_longtail (100 requests at once) ran TPOT p50 130-148 ms at 128 against 224-230 ms at 256, for
+# 0.86x the output tokens (47.8-53.5 % of its roofline), and decode_heavy 636 against 626 output
+# tok/s (reports/chunk-budget-zen4-*); on faster kinds 256 already held TPOT p50 at 125 ms
+# (reports/chunk-budget-chat_longtail). On a GPU 1,024 tokens take milliseconds.
+STEP_BUDGET = {"cpu": 128, "cuda": 1024}
 
 # Tokens per KV block when `cache.block_size` is null. A block holds each KV head's block_size x
 # head_dim values contiguous (2 KB at 16 for SmolLM2), and a CPU decode step reads every run of every
