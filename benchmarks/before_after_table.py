@@ -29,6 +29,13 @@ def cells(r: dict) -> list[str]:
     return [f"{s['output_tok_s']:.1f}", f"{s['tpot_s']['p50'] * 1e3:.0f}", f"{s['ttft_s']['p50']:.2f}", share]
 
 
+def commit_md(text: str) -> str:
+    """A half's commit file as Markdown: the hash in backticks, then what before_after.sh noted
+    beside it (the first uncommitted change, `dirty: ...`), in parentheses."""
+    first, *rest = text.splitlines() or ["?"]
+    return f"`{first}`" + (f" ({'; '.join(r.strip() for r in rest)})" if rest else "")
+
+
 def quant_ratios(before: dict, after: dict) -> dict[tuple[str, str], tuple[str, str]]:
     """(run, quant label) -> its output tok/s over the same run's bf16 default, before and after."""
     def ratio(half, run, label):
@@ -44,7 +51,8 @@ def main(argv=None) -> int:
     before, after = runs(out / "before"), runs(out / "after")
     commits = {h: (out / h / "commit").read_text().strip() if (out / h / "commit").exists() else "?"
                for h in ("before", "after")}
-    lines = [f"# Before and after, side by side\n\n- before: `{commits['before']}`\n- after: `{commits['after']}`\n"
+    lines = [f"# Before and after, side by side\n\n- before: {commit_md(commits['before'])}\n"
+             f"- after: {commit_md(commits['after'])}\n"
              "- made by `bash benchmarks/before_after.sh REF OUT` then `python -m benchmarks.before_after_table OUT`;"
              " both halves in one session on one machine\n",
              "| run | configuration | output tok/s before | after | x | TPOT p50 ms before | after | TTFT p50 s before |"
@@ -67,7 +75,8 @@ def main(argv=None) -> int:
     if quant:
         lines += ["\n## Quantized against bf16, within each half\n", "| run | configuration | before | after |",
                   "|---|---|---|---|"]
-        lines += [f"| {run} | {label} / bf16 | {b} | {a} |" for (run, label), (b, a) in quant.items()]
+        lines += [f"| {run} | {label} / bf16 | {b} | {a} |" for (run, label), (b, a) in quant.items()
+                  if (b, a) != ("-", "-")]  # a run with no bf16 default to divide by
     lines += ["\nStep profiles: [before](before/profile-step/report.md), [after](after/profile-step/report.md)."]
     (out / "report.md").write_text("\n".join(lines) + "\n")
     (out / "report.json").write_text(json.dumps({"commits": commits, "rows": table,

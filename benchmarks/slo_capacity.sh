@@ -6,14 +6,17 @@
 #
 #   bash benchmarks/slo_capacity.sh [OUT_DIR]     (default reports; about 25 minutes on 2 cores)
 #
-# The rates suit the machine kind it was last run on (2-core EPYC serving about 2.1 req/s at most);
+# The rates suit the Zen 5 kind (2-core EPYC serving about 2.1 req/s at most; the Zen 4 kind serves
+# 1.1-1.5 and wants RATES="0.6 0.8 1.0 1.2");
 # on another, set RATES (continuous and slo), STATIC_RATES and NUM_REQUESTS (a point; default 80):
 #
 #   RATES="0.4 0.6 0.8 1.0 1.3 1.6 2.0" STATIC_RATES="0.2 0.4" bash benchmarks/slo_capacity.sh
 #
+# NAME names the report (default slo-capacity-chat_longtail), e.g. to keep one per machine kind.
+#
 # `continuous` runs at the device's default step budget and, beside it, at each budget in
 # CONTINUOUS_BUDGETS (default 1024: the budget the issue's baseline ran at, before the CPU's default
-# became 256; empty for none).
+# became 256, then 128; empty for none).
 #
 # SLO_TPOT_S sets a TPOT target other than the workload's (the report's name then ends in -tpotMS):
 #
@@ -49,7 +52,7 @@ read -r -a RATES <<< "${RATES:-1.0 1.5 2.0 2.5 3.0 4.0 5.0}"
 read -r -a STATIC_RATES <<< "${STATIC_RATES-0.2 0.4}"  # empty: no static runs
 read -r -a BUDGETS <<< "${CONTINUOUS_BUDGETS-1024}"
 N="${NUM_REQUESTS:-80}"
-NAME=slo-capacity-chat_longtail
+NAME="${NAME:-slo-capacity-chat_longtail}"  # the report's name (e.g. one per machine kind)
 EXTRA=()
 if [[ -n "${SLO_TPOT_S:-}" ]]; then
   EXTRA=("workload.slo_tpot_s=$SLO_TPOT_S")
