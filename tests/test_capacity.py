@@ -78,9 +78,14 @@ def test_the_fastest_service_in_a_sweep_bounds_every_capacity():
     rs = [run("a", 1, 0.98, 1.0), run("a", 2, 1.8, 0.95), run("a", 4, 2.0, 0.5),
           run("b", 1, 0.97, 1.0), run("b", 4, 2.4, 0.8, rejected=9, floor_s=10.0)]  # b's floor: what it served
     c = service_ceiling(rs)
-    assert c["label"] == "b workload.rate=4" and c["served_req_s"] == 2.4
-    assert c["capacity_bound_req_s"] == pytest.approx(2.4 / 0.9)
+    # b at 4 served 2.4 req/s by refusing 9 requests: a lighter load than offered, so a's 2.0 bounds
+    assert c["label"] == "a workload.rate=4" and c["served_req_s"] == 2.0 and c["refusing_runs_left_out"] == 1
+    assert c["capacity_bound_req_s"] == pytest.approx(2.0 / 0.9)
     assert c["roofline_req_s"] == pytest.approx(80 / 20.0)  # from the runs that refused none
     md = "\n".join(capacity_markdown(rs))
-    assert "at most 2.67 req/s" in md and "the best here, 2 req/s, is 75% of that" in md
+    assert "at most 2.22 req/s" in md and "the best here, 2 req/s, is 90% of that" in md
+    assert "1 that did are left out" in md
+    # every run refused some: they are all there is
+    shed = service_ceiling([run("b", 1, 0.9, 1.0, rejected=1), run("b", 4, 2.4, 0.8, rejected=9)])
+    assert shed["served_req_s"] == 2.4 and shed["refusing_runs_left_out"] == 0
     assert service_ceiling([run("a", 1, 1.0, 1.0)]) is None  # one rate: no sweep

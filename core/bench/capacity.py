@@ -74,14 +74,18 @@ def service_ceiling(results: list[dict]) -> dict | None:
     served within the targets, so a configuration that serves no faster than the fastest run here
     cannot pass that run's served rate / ATTAINMENT, whatever it schedules. With the runs' roofline
     (the workload at the machine's measured peak) also the rate the machine could serve at best.
-    None when the results hold no sweep."""
+    A run that refused requests served a lighter workload than the one offered (a shedding scheduler
+    refuses the longest prompts first), so its rate bounds nothing: only runs that refused none
+    count, unless every run refused some. None when the results hold no sweep."""
     swept = [r for rs in groups(results).values() for r in rs]
     if not swept:
         return None
-    best = max(swept, key=lambda r: r["summary"]["req_s"])
+    whole = [r for r in swept if not r["summary"].get("rejected")]
+    best = max(whole or swept, key=lambda r: r["summary"]["req_s"])
     served = best["summary"]["req_s"]
     out = {"served_req_s": served, "label": best["label"], "offered_req_s": offered_rate(best),
-           "capacity_bound_req_s": served / ATTAINMENT, "roofline_req_s": None}
+           "capacity_bound_req_s": served / ATTAINMENT, "roofline_req_s": None,
+           "refusing_runs_left_out": len(swept) - len(whole) if whole else 0}
     # the floor of the whole workload: a run that refused requests has one of what it served only
     rates = sorted(r["workload"]["num_requests"] / f["time_s"] for r in swept
                    if not r["summary"].get("rejected") and r.get("workload", {}).get("num_requests")
@@ -96,7 +100,10 @@ def _ceiling_markdown(results: list[dict], caps: dict[str, dict]) -> list[str]:
     if not c:
         return []
     best_cap = max((v["capacity_req_s"] or 0.0 for v in caps.values()), default=0.0)
-    line = (f"What bounds these capacities: the fastest any run here served was {c['served_req_s']:.3g} req/s "
+    left_out = c.get("refusing_runs_left_out", 0)
+    which = f"any run that refused none ({left_out} that did are left out: they served a lighter load)" \
+        if left_out else "any run"
+    line = (f"What bounds these capacities: the fastest {which} served was {c['served_req_s']:.3g} req/s "
             f"(`{c['label']}`). A capacity of r needs {ATTAINMENT:.0%} of r served within both targets, so a "
             f"configuration serving no faster has a capacity of at most {c['capacity_bound_req_s']:.3g} req/s "
             f"whatever it schedules; " + (f"the best here, {best_cap:g} req/s, is {best_cap / c['capacity_bound_req_s']:.0%} "
