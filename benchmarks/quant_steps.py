@@ -44,6 +44,8 @@ def alternating(steps: dict, n: int) -> dict:
 
 
 NO_INT = " (dequantized GEMM)"  # an engine stepped with servelab_kernels.cpu_quant.int_gemm(False)
+# names beside the quantizers' own: their overrides
+ALIASES = {"int8-w8a8": ["quant=int8", "quant.w8a8=true"]}  # INT8 activations per token too
 
 
 def variants(quants: list[str]) -> list[str]:
@@ -61,7 +63,7 @@ def measure(quants: list[str]) -> tuple[dict, str]:
     from servelab_kernels import cpu_quant
 
     names = ["none"] + quants
-    overrides = {q: [f"quant={q.removesuffix(NO_INT)}"] for q in names}
+    overrides = {q: ALIASES.get(q.removesuffix(NO_INT), [f"quant={q.removesuffix(NO_INT)}"]) for q in names}
 
     def stepper(engine, q):  # the engine's step, with the integer GEMM off for the NO_INT variant
         if not q.endswith(NO_INT):
@@ -93,7 +95,8 @@ def measure(quants: list[str]) -> tuple[dict, str]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.quant_steps")
-    ap.add_argument("--quant", nargs="+", default=["int8", "gguf"], help="quantizers beside bf16")
+    ap.add_argument("--quant", nargs="+", default=["int8", "gguf"],
+                    help=f"quantizers beside bf16 (or {', '.join(ALIASES)})")
     ap.add_argument("--out", default="reports/quant-steps")
     args = ap.parse_args(argv)
     from core.bench.roofline import machine_info

@@ -25,7 +25,7 @@ from servelab_kernels.cpp_build import build, namespace
 from servelab_kernels.dispatch import _forced
 from servelab_kernels.quant import Int4Linear, Int8Linear
 
-DENSE, INT4, INT8, TILES = 0, 1, 2, 3  # csrc/cpu_decode.cpp's LinearKind
+DENSE, INT4, INT8, TILES, INT8_A8 = 0, 1, 2, 3, 4  # csrc/cpu_decode.cpp's LinearKind
 
 
 def load():
@@ -86,5 +86,5 @@ def linear_spec(mod: nn.Module, dtype: torch.dtype) -> tuple | None:
         if not mod.fast or mod.weight_q.device.type != "cpu" or mod.in_features % cpu_quant.GROUP or \
                 not cpu_quant.available():
             return None
-        return INT8, False, mod.weight_q, mod.scales, None, bias
+        return INT8_A8 if mod.a8 else INT8, False, mod.weight_q, mod.scales, None, bias
     return None

@@ -59,6 +59,7 @@ from servelab_kernels.dispatch import Switch
 
 GROUP = 32
 Q16 = 8191  # the INT8 kernel's activations: 14-bit integers, one scale a row
+A8 = 127  # W8A8 (quant.w8a8): 8-bit activations, one scale a row (token), one INT8 GEMM instead of two
 
 
 def ops(portable: bool = False):
@@ -70,18 +71,21 @@ def ops(portable: bool = False):
     if ns not in _faked:
         _faked.add(ns)
         torch.library.register_fake(f"{ns}::q4_linear")(lambda x, w, dm: x.new_empty(x.shape[0], w.shape[0]))
-        torch.library.register_fake(f"{ns}::q8_linear")(lambda x, w, s: x.new_empty(x.shape[0], w.shape[0]))
+        torch.library.register_fake(f"{ns}::q8_linear")(lambda x, w, s, levels=Q16: x.new_empty(x.shape[0], w.shape[0]))
         torch.library.register_fake(f"{ns}::q4_dequantize")(
             lambda w, dm, dtype: w.new_empty(w.shape[0], w.shape[1] * 2, dtype=dtype))
         torch.library.register_fake(f"{ns}::q8_dequantize")(
             lambda w, s: w.new_empty(w.shape, dtype=torch.bfloat16))
-        for gemm in ("q8_gemm_amx", "q8_gemm_int", "q4_gemm_int"):
+        for gemm in ("q8_gemm_amx", "q4_gemm_int"):
             if hasattr(getattr(torch.ops, ns), gemm):
                 torch.library.register_fake(f"{ns}::{gemm}")(lambda x, w, s: x.new_empty(x.shape[0], w.shape[0]))
+        if hasattr(getattr(torch.ops, ns), "q8_gemm_int"):
+            torch.library.register_fake(f"{ns}::q8_gemm_int")(
+                lambda x, w, s, levels=Q16: x.new_empty(x.shape[0], w.shape[0]))
         torch.library.register_fake(f"{ns}::q4_matmul")(
             lambda x, w, dm, rows, int_gemm: x.new_empty(x.shape[0], w.shape[0]))
         torch.library.register_fake(f"{ns}::q8_matmul")(
-            lambda x, w, s, rows, int_gemm: x.new_empty(x.shape[0], w.shape[0]))
+            lambda x, w, s, rows, int_gemm, levels=Q16: x.new_empty(x.shape[0], w.shape[0]))
     return getattr(torch.ops, ns)
 
 
@@ -200,12 +204,13 @@ def int_gemm(on: bool):
     return _int_gemm.set(on)
 
 
-def q8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def q8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, levels: int = Q16) -> torch.Tensor:
     """x [M, K] @ (q * scales).T: AMX tiles where amx_ready(), else the GEMV for up to q8_gemv_rows()
     rows and above it oneDNN's INT8 GEMM of the split activations (bf16 rows, VNNI builds) or a GEMM
     over the weight dequantized for this call (`int_gemm(False)` turns both integer GEMMs off); one
-    op either way, so a compiled graph does not branch (and recompile) on the number of rows."""
-    return ops().q8_matmul(x, q, scales, q8_gemv_rows(), _int_gemm.on)
+    op either way, so a compiled graph does not branch (and recompile) on the number of rows.
+    levels=A8 (W8A8): the activations as INT8, the GEMV and one INT8 GEMM of M rows; no float GEMM."""
+    return ops().q8_matmul(x, q, scales, q8_gemv_rows(), _int_gemm.on, levels)
 
 
 def q4_1_groups(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int):
@@ -262,11 +267,12 @@ def q4_gemm_ref(x: torch.Tensor, nibbles: torch.Tensor, dm: torch.Tensor) -> tor
     return y.to(x.dtype)
 
 
-def q8_linear_ref(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """The INT8 kernel's twin: x to 14-bit integers with one scale a row (absmax / 8191)."""
+def q8_linear_ref(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, levels: int = Q16) -> torch.Tensor:
+    """The INT8 kernel's twin: x to 14-bit integers with one scale a row (absmax / 8191), or to
+    INT8 (levels=A8: absmax / 127, W8A8)."""
     xf = x.float()
     amax = xf.abs().amax(dim=-1, keepdim=True)
-    # Q16 / amax as the kernel divides (a scalar over a tensor is reciprocal-then-multiply in torch)
-    inv = torch.where(amax > 0, torch.full_like(amax, Q16) / amax, torch.zeros_like(amax))
+    # levels / amax as the kernel divides (a scalar over a tensor is reciprocal-then-multiply in torch)
+    inv = torch.where(amax > 0, torch.full_like(amax, levels) / amax, torch.zeros_like(amax))
     isum = (torch.round(xf * inv).double() @ w.double().T).float()
-    return (isum * (amax / Q16) * scales.float()[None]).to(x.dtype)
+    return (isum * (amax / levels) * scales.float()[None]).to(x.dtype)

@@ -43,16 +43,27 @@ def int8_matmul_ref(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> t
     return (x.float() @ dequantize_int8(q, scales).T).to(x.dtype)
 
 
+def w8a8_matmul_ref(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """W8A8 (dynamic, per token): each row of x to INT8 with its own scale (absmax / 127), the
+    integer products summed exactly, then both scales."""
+    return cpu_quant.q8_linear_ref(x, q, scales, cpu_quant.A8)
+
+
 # Above this many rows aten's packed CPU kernel (a GEMV at heart: its time grows with the rows) loses
 # to dequantizing the weight to bf16 and one GEMM; measured on a 2-core AVX-512 EPYC, 1536 x 576:
 # 16 rows 0.21 vs 0.29 ms, 32 rows 0.40 vs 0.35 ms, 64 rows 0.78 vs 0.48 ms, 512 rows 6.3 vs 2.9 ms.
 INT8_DEQUANT_ROWS = 24
 
 
-def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, a8: bool = False) -> torch.Tensor:
     """x [M, K] @ (q * scales).T: Triton on CUDA; on the CPU the C++ op (AMX tiles where the CPU has
     them, else the GEMV for few rows and a GEMM in x's precision over the weight dequantized on the fly
-    for many), or aten's packed kernel and a bf16 GEMM where it did not build."""
+    for many), or aten's packed kernel and a bf16 GEMM where it did not build. a8: W8A8, the
+    activations as INT8 per row (the C++ op's GEMV and one INT8 GEMM; its twin where it did not build)."""
+    if a8:
+        if x.device.type == "cpu" and q.shape[1] % cpu_quant.GROUP == 0 and cpu_quant.available():
+            return cpu_quant.q8_matmul(x, q, scales, cpu_quant.A8)
+        return w8a8_matmul_ref(x, q, scales)
     if use_triton(x):
         from servelab_kernels.triton_quant import int8_matmul as triton_int8_matmul
 
@@ -104,35 +115,46 @@ def int4_matmul(x, packed, scales_and_zeros, group_size):
 
 
 class Int8Linear(nn.Module):
-    """Weight-only INT8 linear. `input_scale` (AWQ-style, optional) divides activations per input channel."""
+    """INT8 linear, weight-only (the activations as 14-bit integers in the CPU kernels: about bf16's
+    precision) or, with a8=True, W8A8: the activations as INT8 with one scale a token (coarser, one
+    INT8 GEMM where the other path runs two)."""
 
-    def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, fast: bool = True):
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None, fast: bool = True,
+                 a8: bool = False):
         super().__init__()
+        self.a8 = a8
         self.register_buffer("weight_q", q)
         cpu_kernel = fast and not use_triton(q)  # the packed CPU kernel takes bf16 scales; Triton reads fp32
+        if cpu_kernel and q.device.type == "cpu":
+            cpu_quant.available()  # built (or found built) now: its first call inside a torch.compile trace cannot build
         self.register_buffer("scales", scales.to(torch.bfloat16) if cpu_kernel else scales.float())
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.fast = fast
         self.in_features, self.out_features = q.shape[1], q.shape[0]
 
     @classmethod
-    def from_linear(cls, lin: nn.Linear, fast: bool = True) -> Int8Linear:
+    def from_linear(cls, lin: nn.Linear, fast: bool = True, a8: bool = False) -> Int8Linear:
         q, s = quantize_int8(lin.weight.data, getattr(lin, "row_absmax", None))
-        return cls(q, s, None if lin.bias is None else lin.bias.data, fast)
+        return cls(q, s, None if lin.bias is None else lin.bias.data, fast, a8)
 
     @classmethod
     def concat(cls, mods: list[Int8Linear]) -> Int8Linear | None:
         """One layer whose outputs are the `mods`' side by side (core.model.fuse), or None."""
-        if len({(m.in_features, m.fast, m.scales.dtype) for m in mods}) != 1:
+        if len({(m.in_features, m.fast, m.a8, m.scales.dtype) for m in mods}) != 1:
             return None
         bias = None if mods[0].bias is None else torch.cat([m.bias.data for m in mods])
         # the scales as stored: the constructor's cast to its storage dtype is then a no-op
-        return cls(torch.cat([m.weight_q for m in mods]), torch.cat([m.scales for m in mods]), bias, mods[0].fast)
+        return cls(torch.cat([m.weight_q for m in mods]), torch.cat([m.scales for m in mods]), bias, mods[0].fast,
+                   mods[0].a8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        y = int8_matmul(x2, self.weight_q, self.scales) if self.fast else int8_matmul_ref(x2, self.weight_q, self.scales)
+        if self.a8:
+            y = int8_matmul(x2, self.weight_q, self.scales, a8=True) if self.fast else \
+                w8a8_matmul_ref(x2, self.weight_q, self.scales)
+        else:
+            y = int8_matmul(x2, self.weight_q, self.scales) if self.fast else int8_matmul_ref(x2, self.weight_q, self.scales)
         y = y.reshape(*shape[:-1], self.out_features)
         return y + self.bias if self.bias is not None else y
 
@@ -254,43 +276,3 @@ class Int4Linear(nn.Module):
             y = int4_matmul_ref(x2, self.weight_q.int(), self.scales, self.zeros, self.group_size)
         y = y.reshape(*shape[:-1], self.out_features)
         return y + self.bias if self.bias is not None else y
-
-
-class QuantEmbedding(nn.Module):
-    """Token embedding with quantized rows, for models whose embedding is tied to a quantized
-    lm_head: INT8 rows (one scale per row) or INT4 rows (two nibbles a byte, group-wise scale and
-    zero). Only the looked-up rows are dequantized."""
-
-    def __init__(self, weight: torch.Tensor | None, bits: int, group_size: int = 64, out_dtype=torch.bfloat16,
-                 shared: Int8Linear | None = None):
-        super().__init__()
-        self.bits, self.out_dtype = bits, out_dtype
-        if shared is not None:  # the tied lm_head's own INT8 rows: one copy of the matrix serves both
-            self.num_embeddings, self.embedding_dim = shared.out_features, shared.in_features
-            self.q, self.scales = shared.weight_q, shared.scales
-            return
-        self.num_embeddings, self.embedding_dim = weight.shape
-        if bits == 8:
-            q, s = quantize_int8(weight)
-            self.register_buffer("q", q)
-            self.register_buffer("scales", s.to(torch.float16))
-        elif bits == 4:
-            self.group_size = group_size if self.embedding_dim % group_size == 0 else self.embedding_dim
-            q, s, z = quantize_int4(weight, self.group_size)
-            q = q.to(torch.uint8)
-            self.register_buffer("q", q[:, 0::2] | (q[:, 1::2] << 4))  # two weights a byte
-            self.register_buffer("scales", s.T.contiguous().to(torch.float16))  # [V, groups]
-            self.register_buffer("zeros", z.T.contiguous().to(torch.float16))
-        else:
-            raise ValueError(f"bits must be 8 or 4, got {bits}")
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.bits == 8:
-            rows = self.q[ids].float() * self.scales[ids].float()[..., None]
-        else:
-            packed = self.q[ids]
-            q = torch.stack([packed & 0x0F, packed >> 4], dim=-1).flatten(-2).float()
-            s = self.scales[ids].float().repeat_interleave(self.group_size, dim=-1)
-            z = self.zeros[ids].float().repeat_interleave(self.group_size, dim=-1)
-            rows = (q - 8.0) * s + z
-        return rows.to(self.out_dtype)

@@ -193,6 +193,62 @@ def test_q8_gemm_int_gives_the_gemvs_integer_sums(n, k, rows):
         torch.testing.assert_close(got, ops.q8_linear(xb, w, scales), atol=0, rtol=8e-3)
 
 
+@BUILDS
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w8a8_gemv_gives_its_twins_int8_sums(dtype, portable):
+    """levels=127: the activations as INT8 per row, through the same GEMV (the sums stay exact)."""
+    w = torch.randint(-127, 128, (96, 576), generator=g, dtype=torch.int8)
+    scales = (torch.rand(96, generator=g) * 0.01 + 1e-4).to(torch.bfloat16)
+    x = torch.randn(5, 576, generator=g).to(dtype)
+    x[1, 7] = 25.0
+    got = cpu_quant.ops(portable).q8_linear(x, w, scales, cpu_quant.A8)
+    want = q8_linear_ref(x, w, scales, cpu_quant.A8)
+    assert got.dtype == dtype
+    tol = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=0, rtol=8e-3)  # bf16: one rounding
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+    # and not the 14-bit path's numbers: the coarser rounding shows
+    assert not torch.allclose(got.float(), q8_linear_ref(x, w, scales).float(), atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.vnni
+@pytest.mark.parametrize("n, k", [(960, 576), (576, 1536), (70, 72)])
+def test_w8a8_matmul_is_the_same_int8_sums_at_any_number_of_rows(n, k):
+    """The GEMV (up to q8_gemv_rows) and the single INT8 GEMM above it give the twin's numbers, so a
+    W8A8 step's result does not depend on how many rows it has; no float GEMM under int_gemm(False)."""
+    w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scales = (torch.rand(n, generator=g) * 0.01 + 1e-4).to(torch.bfloat16)
+    x = torch.randn(40, k, generator=g).bfloat16()
+    x[3, 2] = -30.0
+    want = q8_linear_ref(x, w, scales, cpu_quant.A8)
+    ops = cpu_quant.ops()
+    torch.testing.assert_close(ops.q8_gemm_int(x, w, scales, cpu_quant.A8), want, atol=0, rtol=0)
+    if k % 32:  # the GEMV wants K a multiple of 32 (Int8Linear keeps other widths on the twin)
+        return
+    for rows in (1, cpu_quant.q8_gemv_rows(), cpu_quant.q8_gemv_rows() + 1, 40):
+        # the GEMV sums in float per block, the GEMM in int32: one bf16 rounding apart at most
+        torch.testing.assert_close(cpu_quant.q8_matmul(x[:rows], w, scales, cpu_quant.A8), want[:rows], atol=0, rtol=8e-3)
+        with cpu_quant.int_gemm(False):  # the GEMV at any rows, never a float GEMM
+            torch.testing.assert_close(cpu_quant.q8_matmul(x[:rows], w, scales, cpu_quant.A8), want[:rows], atol=0,
+                                       rtol=8e-3)
+    with pytest.raises(RuntimeError, match="levels"):
+        ops.q8_gemm_int(x, w, scales, 200)
+
+
+def test_w8a8_error_is_within_half_an_activation_step():
+    """The twin against the exact product of the INT8 weights: each activation moves at most half of
+    its row's step (absmax / 127), so |error| <= step / 2 * sum_k |q w|."""
+    w = torch.randint(-127, 128, (64, 256), generator=g, dtype=torch.int8)
+    scales = torch.rand(64, generator=g) * 0.01 + 1e-4
+    x = torch.randn(6, 256, generator=g)
+    x[2, 9] = 12.0
+    exact = (x.double() @ (w.double() * scales.double()[:, None]).T)
+    got = q8_linear_ref(x, w, scales, cpu_quant.A8).double()
+    step = x.abs().amax(-1, keepdim=True).double() / 127
+    bound = step / 2 * (w.double().abs() * scales.double()[:, None]).sum(-1)[None] * (1 + 1e-5) + 1e-6
+    assert ((got - exact).abs() <= bound).all()
+    assert (got - exact).abs().max() > 10 * (q8_linear_ref(x, w, scales).double() - exact).abs().max()
+
+
 @pytest.mark.vnni
 def test_q8_gemm_int_splits_a_wide_output_into_calls_without_changing_it():
     """A vocabulary-wide head at many rows runs in column slices (at most 16 MB of sums a call)."""

@@ -57,6 +57,31 @@ def test_int8_fast_kernel_matches_reference(rows):
     torch.testing.assert_close(int8_matmul(x, q, s).float(), ref.float(), atol=0.05, rtol=0.02)
 
 
+@pytest.mark.parametrize("rows", [3, 60])
+def test_w8a8_module_is_its_reference_and_fuses_only_with_its_kind(rows):
+    lin = nn.Linear(64, 96, bias=True)
+    fast, ref = Int8Linear.from_linear(lin, a8=True), Int8Linear.from_linear(lin, fast=False, a8=True)
+    x = torch.randn(rows, 64, generator=g).bfloat16()
+    torch.testing.assert_close(fast(x).float(), ref(x).float(), atol=1e-2, rtol=8e-3)  # bf16 outputs, one rounding
+    want = q8_linear_ref(x, fast.weight_q, fast.scales, 127).float() + lin.bias.detach().bfloat16().float()
+    torch.testing.assert_close(fast(x).float(), want, atol=1e-2, rtol=8e-3)
+    plain = Int8Linear.from_linear(lin)
+    assert Int8Linear.concat([fast, plain]) is None  # W8A8 and W8A16 layers do not share one matmul
+    both = Int8Linear.concat([fast, fast])
+    assert both.a8 and both.out_features == 192
+
+
+def test_quant_w8a8_true_quantizes_the_activations_of_every_swapped_layer(tiny_dirs):
+    cfg = tiny_config(tiny_dirs["llama"])
+    cfg.model.dtype = "bf16"
+    cfg.quant = Int8QuantConfig(name="int8", w8a8=True)
+    e = Engine(cfg)
+    mods = [m for m in e.model.modules() if isinstance(m, Int8Linear)]
+    assert len(mods) == 2 * 4 + 1 and all(m.a8 for m in mods)
+    out = e.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=6, ignore_eos=True))[0].outputs[0]
+    assert len(out.token_ids) == 6
+
+
 @pytest.mark.parametrize("n, k, group", [(64, 128, 32), (24, 100, 32), (16, 200, 64), (40, 576, 128), (13, 70, 32)])
 def test_int4_module_matches_dequantized_reference_on_odd_shapes(n, k, group):
     w = torch.randn(n, k, generator=g)
@@ -171,7 +196,7 @@ def test_int8_kv_cache_doubles_capacity_and_serves(tiny_dirs):
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_quantized_embedding_rows_match_their_reference(bits):
-    from servelab_kernels.quant import QuantEmbedding
+    from servelab_kernels.quant_embedding import QuantEmbedding
 
     w = torch.randn(50, 64, generator=g)
     emb = QuantEmbedding(w, bits, group_size=32, out_dtype=torch.float32)
@@ -187,7 +212,7 @@ def test_quantized_embedding_rows_match_their_reference(bits):
 
 
 def test_tied_embedding_follows_a_quantized_lm_head(tiny_dirs):
-    from servelab_kernels.quant import QuantEmbedding
+    from servelab_kernels.quant_embedding import QuantEmbedding
 
     cfg = tiny_config(tiny_dirs["llama3"])  # tie_word_embeddings=True
     cfg.quant = QuantConfig(name="int8")
@@ -197,3 +222,16 @@ def test_tied_embedding_follows_a_quantized_lm_head(tiny_dirs):
     e = Engine(cfg)
     assert isinstance(e.model.lm_head, nn.Linear)
     assert isinstance(e.model.model.embed_tokens, nn.Embedding)
+
+
+def test_an_int8_layer_builds_its_kernels_when_made_not_inside_a_compiled_trace():
+    """torch.compile cannot trace the build (it reads the C++ sources): a fresh process that makes an
+    Int8Linear has the kernels built before any forward, so `backend.compile=true` traces only their op."""
+    import subprocess
+    import sys
+
+    code = ("import torch; from servelab_kernels import cpp_build; from servelab_kernels.quant import Int8Linear; "
+            "Int8Linear.from_linear(torch.nn.Linear(64, 32)); print(('cpu_quant', False) in cpp_build._built)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "True"

@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from core.runner.metadata import AttentionMetadata
-from servelab_kernels.quant import Int8Linear, QuantEmbedding
+from servelab_kernels.quant import Int8Linear
+from servelab_kernels.quant_embedding import QuantEmbedding
 
 
 def swap_linears(model: nn.Module, make: Callable[[str, nn.Linear], nn.Module], keep: list[str]) -> list[str]:

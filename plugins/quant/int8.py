@@ -1,6 +1,13 @@
-"""Quantizer `int8`: weight-only, symmetric, one scale per output channel, for every linear layer
-not kept in higher precision (`quant.keep`, globs such as lm_head or model.layers.0.*: mixed
-precision, as the seed advises). A tied embedding follows its lm_head into INT8 rows."""
+"""Quantizer `int8`: symmetric, one scale per output channel, for every linear layer not kept in
+higher precision (`quant.keep`, globs such as lm_head or model.layers.0.*: mixed precision, as the
+seed advises). A tied embedding follows its lm_head into INT8 rows.
+
+Weight-only by default (W8A16: the CPU kernels carry the activations as 14-bit integers, about
+bf16's precision). `quant.w8a8=true` quantizes the activations too, to INT8 with one scale a token
+computed at run time (dynamic per-token W8A8, as vLLM's INT8 W8A8): one INT8 GEMM per call where
+the exact path runs two, faster for steps of many rows, at a measured cost in accuracy
+(reports/quant-eval-w8a8). Its fast path is the CPU kernels' (AVX512-VNNI for the GEMM); on CUDA the
+torch twin computes it."""
 
 from __future__ import annotations
 
@@ -16,17 +23,18 @@ from servelab_kernels.quant import Int8Linear
 class Int8QuantConfig(QuantConfig):
     keep: list = field(default_factory=list)  # globs of layers kept in the model dtype (mixed precision)
     fast: bool = True  # false: the dequantize-and-matmul reference path
+    w8a8: bool = False  # INT8 activations too, one scale a token (dynamic): faster at many rows, less exact
 
 
 class Int8Quantizer:
     config_class = Int8QuantConfig
 
     def __init__(self, config: Int8QuantConfig, **context) -> None:
-        self.keep, self.fast = list(config.keep), config.fast
+        self.keep, self.fast, self.a8 = list(config.keep), config.fast, config.w8a8
         self.swapped: list[str] = []
 
     def quantize(self, model: nn.Module) -> nn.Module:
-        self.swapped = swap_linears(model, lambda name, lin: Int8Linear.from_linear(lin, self.fast), self.keep)
+        self.swapped = swap_linears(model, lambda name, lin: Int8Linear.from_linear(lin, self.fast, self.a8), self.keep)
         quantize_tied_embedding(model, self.swapped, bits=8)
         return model
 

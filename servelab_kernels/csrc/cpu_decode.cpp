@@ -25,7 +25,7 @@ using WriteAndDecodeFn = at::Tensor(at::Tensor, at::Tensor, at::Tensor, at::Tens
                                     at::Tensor, at::Tensor, double, c10::optional<at::Tensor>,
                                     c10::optional<at::Tensor>);
 using Q4MatmulFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, bool);
-using Q8MatmulFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, bool);
+using Q8MatmulFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, bool, int64_t);
 using AmxLinearFn = at::Tensor(at::Tensor, at::Tensor, int64_t, c10::optional<at::Tensor>);
 
 template <typename Fn>
@@ -41,10 +41,14 @@ enum LinearKind : int64_t {
   INT8 = 2,   // Int8Linear on the C++ kernel: q8_matmul(x, q, scales)
   TILES = 3,  // servelab_kernels.linear.Linear on AMX CPUs: the GEMV up to gemv_rows, else amx_linear over the
               // weight laid out for the tiles up to tile_rows, else at::linear
+  INT8_A8 = 4,  // Int8Linear with 8-bit activations (quant.w8a8): q8_matmul(x, q, scales, levels=127)
 };
+
+constexpr int64_t Q8_LEVELS = 8191, A8_LEVELS = 127;  // csrc/cpu_quant.cpp's activation levels
 
 struct Linear {
   int64_t kind = DENSE;
+  int64_t levels = Q8_LEVELS;  // INT8: the activations' integer levels a side
   bool gemv = false;  // DENSE: the eager forward would take the GEMV at few rows
   at::Tensor weight, second, packed;  // DENSE / TILES: weight, -, packed | INT4: nibbles, dm, - | INT8: q, scales, -
   c10::optional<at::Tensor> bias;
@@ -94,14 +98,15 @@ struct DecodePlan : torch::CustomClassHolder {
                   c10::optional<at::Tensor> packed, c10::optional<at::Tensor> bias) {
     TORCH_CHECK(!layers_.empty() && filled_ < 4 * int64_t(layers_.size()), "add_linear: add a layer first");
     TORCH_CHECK(kind == DENSE || (kind == INT4 && q4_matmul_.has_value() && second) ||
-                    (kind == INT8 && q8_matmul_.has_value() && second) ||
+                    ((kind == INT8 || kind == INT8_A8) && q8_matmul_.has_value() && second) ||
                     (kind == TILES && amx_linear_.has_value() && packed),
                 "add_linear: an INT4/INT8 layer needs its op and its second tensor, a TILES layer amx_linear and "
                 "its packed weight");
     Layer& layer = layers_.back();
     Linear* slots[4] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
     Linear& lin = *slots[filled_++ % 4];
-    lin.kind = kind, lin.gemv = gemv, lin.weight = std::move(weight), lin.bias = std::move(bias);
+    lin.kind = kind == INT8_A8 ? INT8 : kind, lin.levels = kind == INT8_A8 ? A8_LEVELS : Q8_LEVELS;
+    lin.gemv = gemv, lin.weight = std::move(weight), lin.bias = std::move(bias);
     if (second) lin.second = *second;
     if (packed) lin.packed = *packed;
   }
@@ -152,7 +157,7 @@ struct DecodePlan : torch::CustomClassHolder {
         y = q4_matmul_->call(x, lin.weight, lin.second, q4_rows_, int_gemm_);
         break;
       case INT8:
-        y = q8_matmul_->call(x, lin.weight, lin.second, q8_rows_, int_gemm_);
+        y = q8_matmul_->call(x, lin.weight, lin.second, q8_rows_, int_gemm_, lin.levels);
         break;
       case TILES:
         if (lin.gemv && rows <= gemv_rows_) return bf16_linear_.call(x.stride(1) == 1 ? x : x.contiguous(), lin.weight);

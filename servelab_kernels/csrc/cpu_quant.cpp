@@ -283,18 +283,20 @@ torch::Tensor q4_linear_impl(const torch::Tensor& x, const torch::Tensor& w, con
 // a row's large values, which per-group int8 would round to 1/127 of an outlier group's
 // absmax (0.3 logits off on SmolLM2's head). Sums are exact in int32 over blocks of KB inputs
 // (KB * 127 * 8191 < 2^31), then added in float.
+// `levels` below Q16 (W8A8: 127) rounds the activations coarser, to signed integers of that many
+// levels a side, with the same kernels: the sums stay exact, so every path gives the same numbers.
 
 constexpr int64_t Q16 = 8191, KB = 2048;
 
 template <typename T>
-std::vector<int16_t> quantize_rows16(const T* x, int64_t M, int64_t K, std::vector<float>& dx) {
+std::vector<int16_t> quantize_rows16(const T* x, int64_t M, int64_t K, std::vector<float>& dx, int64_t levels = Q16) {
   std::vector<int16_t> xq(M * K);
   dx.assign(M, 0.f);
   for (int64_t m = 0; m < M; ++m) {
     float amax = 0.f;
     for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(static_cast<float>(x[m * K + k])));
-    const float inv = amax > 0.f ? static_cast<float>(Q16) / amax : 0.f;
-    dx[m] = amax / static_cast<float>(Q16);
+    const float inv = amax > 0.f ? static_cast<float>(levels) / amax : 0.f;
+    dx[m] = amax / static_cast<float>(levels);
     for (int64_t k = 0; k < K; ++k)
       xq[m * K + k] = static_cast<int16_t>(std::nearbyint(static_cast<float>(x[m * K + k]) * inv));
   }
@@ -358,11 +360,12 @@ inline void q8_row(const int8_t* wr, const int16_t* xq, const float* dx, int64_t
 #endif
 
 template <typename T>
-torch::Tensor q8_linear_impl(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales) {
+torch::Tensor q8_linear_impl(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales,
+                             int64_t levels) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   auto xc = x.contiguous();
   std::vector<float> dx;
-  const std::vector<int16_t> xq = quantize_rows16(xc.data_ptr<T>(), M, K, dx);
+  const std::vector<int16_t> xq = quantize_rows16(xc.data_ptr<T>(), M, K, dx, levels);
   auto y = torch::empty({M, N}, x.options());
   const int8_t* wp = w.data_ptr<int8_t>();
   auto sc = scales.to(torch::kFloat32).contiguous();
@@ -417,13 +420,14 @@ torch::Tensor q4_linear(const torch::Tensor& x, const torch::Tensor& w, const to
   return q4_linear_impl<float>(x.to(torch::kFloat32), w, dm).to(x.scalar_type());
 }
 
-torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales) {
+torch::Tensor q8_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales, int64_t levels) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && x.size(1) % GROUP == 0,
               "q8_linear: x [M, K], w [N, K], K a multiple of 32");
   TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kChar, "q8_linear: w int8, contiguous");
-  if (x.scalar_type() == torch::kBFloat16) return q8_linear_impl<at::BFloat16>(x, w, scales);
-  if (x.scalar_type() == torch::kFloat32) return q8_linear_impl<float>(x, w, scales);
-  return q8_linear_impl<float>(x.to(torch::kFloat32), w, scales).to(x.scalar_type());
+  TORCH_CHECK(levels >= 1 && levels <= Q16, "q8_linear: levels in 1..8191");
+  if (x.scalar_type() == torch::kBFloat16) return q8_linear_impl<at::BFloat16>(x, w, scales, levels);
+  if (x.scalar_type() == torch::kFloat32) return q8_linear_impl<float>(x, w, scales, levels);
+  return q8_linear_impl<float>(x.to(torch::kFloat32), w, scales, levels).to(x.scalar_type());
 }
 
 // The INT4 weights as a dense matrix (for steps with many rows, where a bf16 GEMM wins).
@@ -780,20 +784,40 @@ void split_row(const T* x, int64_t K, float& dx, int8_t* hi, int8_t* lo) {
   }
 }
 
+// One activation row as INT8 of `levels` (<= 127) a side, one scale a row: W8A8's single part.
+template <typename T>
+void quantize_row8(const T* x, int64_t K, float& dx, int8_t* out, int64_t levels) {
+  __m512 vmax = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(load16f(x + k)));
+  float amax = _mm512_reduce_max_ps(vmax);
+  for (; k < K; ++k) amax = std::max(amax, std::fabs(static_cast<float>(x[k])));
+  const float inv = amax > 0.f ? static_cast<float>(levels) / amax : 0.f;
+  dx = amax / static_cast<float>(levels);
+  const __m512 iv = _mm512_set1_ps(inv);
+  for (k = 0; k + 16 <= K; k += 16)
+    _mm_storeu_si128((__m128i*)(out + k), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(load16f(x + k), iv))));
+  for (; k < K; ++k) out[k] = static_cast<int8_t>(std::nearbyint(static_cast<float>(x[k]) * inv));
+}
+
 // y[m, n0 + j] = (hi[m][j] * 128 + lo[m][j]) * dx[m] * s[n0 + j], as the twin multiplies; sums
 // [2M, nt] (rows M.. the lo parts). The recombined sum fits int32 while K * 8191 * 127 < 2^31.
 template <typename T>
+// Unsplit (W8A8: sums [M, nt], no lo parts): y = sums * dx[m] * s.
 void combine_rows(const int32_t* sums, int64_t M, int64_t nt, const float* dx, const float* s, T* y, int64_t N,
-                  bool wide, int64_t m0, int64_t m1) {
+                  bool wide, int64_t m0, int64_t m1, bool split = true) {
+  static const int32_t zeros[16] = {0};
   for (int64_t m = m0; m < m1; ++m) {
     const int32_t* h = sums + m * nt;
-    const int32_t* l = sums + (M + m) * nt;
+    const int32_t* l = split ? sums + (M + m) * nt : nullptr;
+    const int shift = split ? 7 : 0;
     T* o = y + m * N;
     const __m512 d = _mm512_set1_ps(dx[m]);
     int64_t j = 0;
     if (!wide) {
       for (; j + 16 <= nt; j += 16) {
-        const __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_loadu_si512(h + j), 7), _mm512_loadu_si512(l + j));
+        const __m512i lo = l ? _mm512_loadu_si512(l + j) : _mm512_loadu_si512(zeros);
+        const __m512i isum = _mm512_add_epi32(_mm512_slli_epi32(_mm512_loadu_si512(h + j), shift), lo);
         const __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(isum), d), _mm512_loadu_ps(s + j));
         if constexpr (std::is_same_v<T, float>) {
           _mm512_storeu_ps(o + j, v);
@@ -803,7 +827,7 @@ void combine_rows(const int32_t* sums, int64_t M, int64_t nt, const float* dx, c
       }
     }
     for (; j < nt; ++j) {  // (wide: in int64, rounded to float once, as the twin's double sum is)
-      const float isum = static_cast<float>(static_cast<int64_t>(h[j]) * 128 + l[j]);
+      const float isum = static_cast<float>(l ? static_cast<int64_t>(h[j]) * 128 + l[j] : static_cast<int64_t>(h[j]));
       o[j] = static_cast<T>(isum * dx[m] * s[j]);
     }
   }
@@ -812,39 +836,49 @@ void combine_rows(const int32_t* sums, int64_t M, int64_t nt, const float* dx, c
 }  // namespace q8split
 
 template <typename T>
-torch::Tensor q8_gemm_int_impl(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales) {
+torch::Tensor q8_gemm_int_impl(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales,
+                               int64_t levels) {
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  auto parts = torch::empty({2 * M, K}, x.options().dtype(torch::kChar));
+  const bool split = levels > 127;  // 8-bit activations (W8A8) are one INT8 part: M rows, not 2M
+  const int64_t R = split ? 2 * M : M;
+  auto parts = torch::empty({R, K}, x.options().dtype(torch::kChar));
   std::vector<float> dx(M);
   int8_t* pp = parts.data_ptr<int8_t>();
   const T* xp = x.data_ptr<T>();
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) q8split::split_row(xp + m * K, K, dx[m], pp + m * K, pp + (M + m) * K);
+    for (int64_t m = m0; m < m1; ++m) {
+      if (split) {
+        q8split::split_row(xp + m * K, K, dx[m], pp + m * K, pp + (M + m) * K);
+      } else {
+        q8split::quantize_row8(xp + m * K, K, dx[m], pp + m * K, levels);
+      }
+    }
   });
   const auto s = scales.to(torch::kFloat32).contiguous();
   const float* sp = s.data_ptr<float>();
   auto y = torch::empty({M, N}, x.options());
   T* yp = y.data_ptr<T>();
-  const bool wide = K * Q16 * 127 >= (int64_t{1} << 31);
+  const bool wide = K * levels * 127 >= (int64_t{1} << 31);
   // the sums of a call at most 16 MB (a vocabulary-wide head at 128 rows ran 1.6x slower in one call)
-  const int64_t nt_max = std::max<int64_t>(1024, ((int64_t{4} << 20) / (2 * M)) / 64 * 64);
+  const int64_t nt_max = std::max<int64_t>(1024, ((int64_t{4} << 20) / R) / 64 * 64);
   for (int64_t n0 = 0; n0 < N; n0 += nt_max) {
     const int64_t nt = std::min(nt_max, N - n0);
     const auto sums = at::_int_mm(parts, w.narrow(0, n0, nt).t());  // [2M, nt] int32
     const int32_t* sm = sums.data_ptr<int32_t>();
     at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
-      q8split::combine_rows<T>(sm, M, nt, dx.data(), sp + n0, yp + n0, N, wide, m0, m1);
+      q8split::combine_rows<T>(sm, M, nt, dx.data(), sp + n0, yp + n0, N, wide, m0, m1, split);
     });
   }
   return y;
 }
 
-torch::Tensor q8_gemm_int(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales) {
+torch::Tensor q8_gemm_int(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales, int64_t levels) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "q8_gemm_int: x [M, K], w [N, K]");
   TORCH_CHECK(w.is_contiguous() && w.scalar_type() == torch::kChar, "q8_gemm_int: w int8, contiguous");
+  TORCH_CHECK(levels == Q16 || (levels >= 1 && levels <= 127), "q8_gemm_int: levels 8191 or 1..127");
   if (x.size(0) == 0) return torch::empty({0, w.size(0)}, x.options());
-  if (x.scalar_type() == torch::kFloat32) return q8_gemm_int_impl<float>(x.contiguous(), w, scales);
-  return q8_gemm_int_impl<at::BFloat16>(x.to(torch::kBFloat16).contiguous(), w, scales).to(x.scalar_type());
+  if (x.scalar_type() == torch::kFloat32) return q8_gemm_int_impl<float>(x.contiguous(), w, scales, levels);
+  return q8_gemm_int_impl<at::BFloat16>(x.to(torch::kBFloat16).contiguous(), w, scales, levels).to(x.scalar_type());
 }
 #endif
 
@@ -1003,14 +1037,22 @@ bool use_amx(const torch::Tensor& x, const torch::Tensor& w) {
 // AVX512-VNNI build, oneDNN's INT8 GEMM of the split activations (q8_gemm_int: the GEMV's sums);
 // else a GEMM in x's precision over the weight dequantized for this call (bf16 unless x is fp32: an
 // AVX2-only CPU runs bf16 GEMMs 8x slower than fp32).
+// Coarser activations (`levels` < 8191, W8A8) take the GEMV and the INT8 GEMM only, with those
+// levels: no AMX split, and never a float GEMM, whose numbers would be another model's.
 torch::Tensor q8_matmul(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales,
-                        int64_t gemv_rows, bool int_gemm) {
+                        int64_t gemv_rows, bool int_gemm, int64_t levels) {
+  if (levels != Q16) {
+#ifdef SERVELAB_VNNI
+    if (int_gemm && x.size(0) > gemv_rows && x.scalar_type() == torch::kBFloat16) return q8_gemm_int(x, w, scales, levels);
+#endif
+    return q8_linear(x, w, scales, levels);
+  }
 #ifdef SERVELAB_AMX
   if (int_gemm && x.size(0) > 0 && use_amx(x, w)) return q8_gemm_amx(x, w, scales);
 #endif
-  if (x.size(0) <= gemv_rows) return q8_linear(x, w, scales);
+  if (x.size(0) <= gemv_rows) return q8_linear(x, w, scales, levels);
 #ifdef SERVELAB_VNNI
-  if (int_gemm && x.scalar_type() == torch::kBFloat16) return q8_gemm_int(x, w, scales);
+  if (int_gemm && x.scalar_type() == torch::kBFloat16) return q8_gemm_int(x, w, scales, levels);
 #endif
   if (x.scalar_type() == torch::kFloat32) return q8_gemm<float>(x.contiguous(), w, scales);
   return q8_gemm<at::BFloat16>(x.to(torch::kBFloat16).contiguous(), w, scales).to(x.scalar_type());
@@ -1020,18 +1062,18 @@ torch::Tensor q8_matmul(const torch::Tensor& x, const torch::Tensor& w, const to
 
 TORCH_LIBRARY(SERVELAB_NS, m) {
   m.def("q4_linear(Tensor x, Tensor w, Tensor dm) -> Tensor");
-  m.def("q8_linear(Tensor x, Tensor w, Tensor scales) -> Tensor");
+  m.def("q8_linear(Tensor x, Tensor w, Tensor scales, int levels=8191) -> Tensor");
   m.def("q4_dequantize(Tensor w, Tensor dm, ScalarType dtype) -> Tensor");
   m.def("q8_dequantize(Tensor w, Tensor scales) -> Tensor");
   m.def("q4_matmul(Tensor x, Tensor w, Tensor dm, int gemv_rows, bool int_gemm) -> Tensor");
-  m.def("q8_matmul(Tensor x, Tensor w, Tensor scales, int gemv_rows, bool int_gemm) -> Tensor");
+  m.def("q8_matmul(Tensor x, Tensor w, Tensor scales, int gemv_rows, bool int_gemm, int levels=8191) -> Tensor");
   m.def("portable() -> bool", &portable_build);
   m.def("amx_ready() -> bool", &amx_ready);
 #ifdef SERVELAB_AMX
   m.def("q8_gemm_amx(Tensor x, Tensor w, Tensor scales) -> Tensor");
 #endif
 #ifdef SERVELAB_VNNI
-  m.def("q8_gemm_int(Tensor x, Tensor w, Tensor scales) -> Tensor");
+  m.def("q8_gemm_int(Tensor x, Tensor w, Tensor scales, int levels=8191) -> Tensor");
   m.def("q4_gemm_int(Tensor x, Tensor w, Tensor dm) -> Tensor");
 #endif
 }
