@@ -802,8 +802,8 @@ void quantize_row8(const T* x, int64_t K, float& dx, int8_t* out, int64_t levels
 
 // y[m, n0 + j] = (hi[m][j] * 128 + lo[m][j]) * dx[m] * s[n0 + j], as the twin multiplies; sums
 // [2M, nt] (rows M.. the lo parts). The recombined sum fits int32 while K * 8191 * 127 < 2^31.
-template <typename T>
 // Unsplit (W8A8: sums [M, nt], no lo parts): y = sums * dx[m] * s.
+template <typename T>
 void combine_rows(const int32_t* sums, int64_t M, int64_t nt, const float* dx, const float* s, T* y, int64_t N,
                   bool wide, int64_t m0, int64_t m1, bool split = true) {
   static const int32_t zeros[16] = {0};
@@ -863,7 +863,7 @@ torch::Tensor q8_gemm_int_impl(const torch::Tensor& x, const torch::Tensor& w, c
   const int64_t nt_max = std::max<int64_t>(1024, ((int64_t{4} << 20) / R) / 64 * 64);
   for (int64_t n0 = 0; n0 < N; n0 += nt_max) {
     const int64_t nt = std::min(nt_max, N - n0);
-    const auto sums = at::_int_mm(parts, w.narrow(0, n0, nt).t());  // [2M, nt] int32
+    const auto sums = at::_int_mm(parts, w.narrow(0, n0, nt).t());  // [R, nt] int32
     const int32_t* sm = sums.data_ptr<int32_t>();
     at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
       q8split::combine_rows<T>(sm, M, nt, dx.data(), sp + n0, yp + n0, N, wide, m0, m1, split);
