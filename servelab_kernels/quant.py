@@ -150,11 +150,10 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        if self.a8:
-            y = int8_matmul(x2, self.weight_q, self.scales, a8=True) if self.fast else \
-                w8a8_matmul_ref(x2, self.weight_q, self.scales)
+        if self.fast:
+            y = int8_matmul(x2, self.weight_q, self.scales, a8=self.a8)
         else:
-            y = int8_matmul(x2, self.weight_q, self.scales) if self.fast else int8_matmul_ref(x2, self.weight_q, self.scales)
+            y = (w8a8_matmul_ref if self.a8 else int8_matmul_ref)(x2, self.weight_q, self.scales)
         y = y.reshape(*shape[:-1], self.out_features)
         return y + self.bias if self.bias is not None else y
 

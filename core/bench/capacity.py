@@ -87,8 +87,8 @@ def service_ceiling(results: list[dict]) -> dict | None:
            "capacity_bound_req_s": served / ATTAINMENT, "roofline_req_s": None,
            "refusing_runs_left_out": len(swept) - len(whole) if whole else 0}
     # the floor of the whole workload: a run that refused requests has one of what it served only
-    rates = sorted(r["workload"]["num_requests"] / f["time_s"] for r in swept
-                   if not r["summary"].get("rejected") and r.get("workload", {}).get("num_requests")
+    rates = sorted(r["workload"]["num_requests"] / f["time_s"] for r in whole
+                   if r.get("workload", {}).get("num_requests")
                    and (f := (r.get("roofline") or {}).get("workload_floor")) and f.get("time_s"))
     if rates:
         out["roofline_req_s"] = rates[len(rates) // 2]
