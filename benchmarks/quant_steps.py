@@ -45,7 +45,8 @@ def alternating(steps: dict, n: int) -> dict:
 
 NO_INT = " (dequantized GEMM)"  # an engine stepped with servelab_kernels.cpu_quant.int_gemm(False)
 # names beside the quantizers' own: their overrides
-ALIASES = {"int8-w8a8": ["quant=int8", "quant.w8a8=true"]}  # INT8 activations per token too
+ALIASES = {"int8-w8a8": ["quant=int8", "quant.w8a8=true"],  # INT8 activations per token too
+           "int8-w8a8-smooth": ["quant=int8", "quant.w8a8=true", "quant.smooth=true"]}  # and SmoothQuant-style scales
 
 
 def variants(quants: list[str]) -> list[str]:

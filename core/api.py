@@ -59,6 +59,7 @@ from core.model.gguf import PERMUTED_ARCHS, gguf_to_hf_name, unpermute_qk
 from core.model.llama import ForwardContext
 from core.model.loader import DTYPES, load_model
 from core.model.quantize import capture_linear_inputs, quantize_tied_embedding, swap_linears
+from core.model.smooth import smooth_model
 from core.runner.memory import kv_memory_budget
 from core.runner.metadata import AttentionMetadata, ModelInput
 from core.runner.model_runner import ModelRunner
@@ -77,7 +78,7 @@ __all__ = [
     "RequestTimings", "SamplingParams", "ScheduledSeq", "SchedulerOutput", "Sequence", "SequenceStatus", "StepStats",
     # base classes and helpers
     "QueueScheduler", "stop_status", "SchedulerContext", "StepCostModel", "StepShape", "make_record", "DTYPES", "kv_memory_budget", "BLOCK_SIZE",
-    "calibration_prompts", "capture_linear_inputs", "quantize_tied_embedding", "swap_linears",
+    "calibration_prompts", "capture_linear_inputs", "quantize_tied_embedding", "smooth_model", "swap_linears",
     "PERMUTED_ARCHS", "gguf_to_hf_name", "unpermute_qk",
     # a second model beside the engine's (speculative drafts): its forward, inputs and weights
     "ForwardContext", "ModelRunner", "fuse_projections", "load_model", "load_weights",

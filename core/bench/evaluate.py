@@ -132,9 +132,13 @@ def _variant(overrides: list[str], base_overrides: list[str], ev: EvalConfig, pr
          "kv_tokens": engine.allocator.num_blocks * engine.allocator.block_size}
     r.update(evaluate_variant(engine, prompts, reference, windows))
     r["decode_tok_s"] = {str(b): _decode_speed(engine, b, ev.speed_new_tokens) for b in ev.speed_batches}
-    awq = getattr(engine.quantizer, "report", None)
-    if awq:
-        r["awq_mse_ratio"] = sum(v["awq_mse"] for v in awq.values()) / sum(v["rtn_mse"] for v in awq.values())
+    calib = getattr(engine.quantizer, "report", None) or {}
+    if calib and "awq_mse" in next(iter(calib.values())):
+        r["awq_mse_ratio"] = sum(v["awq_mse"] for v in calib.values()) / sum(v["rtn_mse"] for v in calib.values())
+    if calib and "smooth_mse" in next(iter(calib.values())):
+        r["smooth_mse_ratio"] = (sum(v["smooth_mse"] for v in calib.values())
+                                 / sum(v["plain_mse"] for v in calib.values()))
+        r["smooth_groups"] = sum(v["alpha"] is not None for v in calib.values()), len(calib)
     return r
 
 
@@ -203,6 +207,10 @@ def eval_markdown(report: dict) -> str:
     if awq:
         lines += ["", "AWQ-style scaling, layer output MSE on the calibration prompts relative to round-to-nearest: " +
                   ", ".join(f"{n}: {v:.3f}" for n, v in awq)]
+    smooth = [(n, r["smooth_mse_ratio"], r["smooth_groups"]) for n, r in res.items() if "smooth_mse_ratio" in r]
+    if smooth:
+        lines += ["", "SmoothQuant-style smoothing, W8A8 layer output MSE on the calibration prompts relative to plain "
+                  "W8A8 (groups smoothed of all): " + ", ".join(f"{n}: {v:.3f} ({g[0]}/{g[1]})" for n, v, g in smooth)]
     lines += ["", "Decode speed: tokens per second of decode steps only (prefill excluded), same machine, one run "
               "after the other; noise on this shared machine is +-10 % or more.", ""]
     return "\n".join(lines)
