@@ -1,14 +1,15 @@
 """Quantized weights against bf16 inside real engine steps: `python -m benchmarks.quant_steps`.
 
 One engine per configuration (bf16, `quant=int8`, `quant=gguf`, or `--quant ...`) on the embedded
-model, three step shapes: 64 decodes; 64 decodes plus a fresh 192-token prompt prefilled in the
-same step (256 tokens: the CPU's default step budget until 2026-12-06, now 128); one
-decode (batch 1). Rounds alternate between the engines, so the machine's drift falls on all of
+model, four step shapes: 64 decodes; 64 decodes plus a fresh 192-token prompt prefilled in the
+same step (256 tokens: the CPU's default step budget until 2026-12-06, now 128); 8 decodes (since
+2026-12-07); one decode (batch 1). Rounds alternate between the engines, so the machine's drift falls on all of
 them; the report gives each one's median step time and the median and range of its per-round speed
 against the unquantized model (> 1: faster). Where many-row INT8 steps run an integer GEMM (AMX tiles,
 or oneDNN's INT8 GEMM on AVX512-VNNI), `int8` also runs without it (`int8 (dequantized GEMM)`,
 servelab_kernels.cpu_quant.int_gemm(False): the weight dequantized to bf16 for each call), side by
-side; where INT4 steps do (q4_gemm_int, AVX512-VNNI), `gguf` and `int4` the same. A whole `compare`
+side; where INT4 steps do (q4_gemm_int, AVX512-VNNI), `gguf` and `int4` the same. `--unpacked` adds
+each INT8 quantizer without its VNNI weight copy (`(oneDNN INT8 GEMM)`, servelab_kernels.int8_pack). A whole `compare`
 runs its configurations one after the other, and on a shared 2-core machine their order can move a
 5 % ratio. Writes reports/quant-steps/report.{md,json}.
 """
@@ -44,6 +45,7 @@ def alternating(steps: dict, n: int) -> dict:
 
 
 NO_INT = " (dequantized GEMM)"  # an engine stepped with servelab_kernels.cpu_quant.int_gemm(False)
+NO_PACK = " (oneDNN INT8 GEMM)"  # INT8 layers made without their VNNI copy (servelab_kernels.int8_pack)
 # names beside the quantizers' own: their overrides
 ALIASES = {"int8-w8a8": ["quant=int8", "quant.w8a8=true"],  # INT8 activations per token too
            "int8-w8a8-smooth": ["quant=int8", "quant.w8a8=true", "quant.smooth=true"]}  # and SmoothQuant-style scales
@@ -59,12 +61,23 @@ def variants(quants: list[str]) -> list[str]:
     return quants + [q + NO_INT for q in quants if has_int_gemm(q)]
 
 
+def base(q: str) -> str:
+    return q.removesuffix(NO_INT).removesuffix(NO_PACK)
+
+
+def build(overrides: list[str], q: str, rows: int):
+    from servelab_kernels import int8_pack
+
+    with int8_pack.packing(not q.endswith(NO_PACK)):
+        return decoding_engine(overrides, rows=rows)
+
+
 def measure(quants: list[str]) -> tuple[dict, str]:
     from core.engine.types import SamplingParams
     from servelab_kernels import cpu_quant
 
     names = ["none"] + quants
-    overrides = {q: ALIASES.get(q.removesuffix(NO_INT), [f"quant={q.removesuffix(NO_INT)}"]) for q in names}
+    overrides = {q: ALIASES.get(base(q), [f"quant={base(q)}"]) for q in names}
 
     def stepper(engine, q):  # the engine's step, with the integer GEMM off for the NO_INT variant
         if not q.endswith(NO_INT):
@@ -75,7 +88,7 @@ def measure(quants: list[str]) -> tuple[dict, str]:
                 engine.step()
         return step
 
-    engines = {q: decoding_engine(overrides[q], rows=64) for q in names}
+    engines = {q: build(overrides[q], q, 64) for q in names}
     rng = random.Random(0)
 
     def mixed(engine, q):
@@ -89,7 +102,10 @@ def measure(quants: list[str]) -> tuple[dict, str]:
     cases = {"decode, 64 rows": alternating({q: stepper(e, q) for q, e in engines.items()}, 8),
              f"64 decodes + a {PREFILL}-token prefill": alternating({q: mixed(e, q) for q, e in engines.items()}, 4)}
     del engines
-    singles = {q: decoding_engine(overrides[q], rows=1) for q in names}
+    eights = {q: build(overrides[q], q, 8) for q in names}
+    cases["decode, 8 rows"] = alternating({q: stepper(e, q) for q, e in eights.items()}, 20)
+    del eights
+    singles = {q: build(overrides[q], q, 1) for q in names}
     cases["decode, batch 1"] = alternating({q: stepper(e, q) for q, e in singles.items()}, 30)
     return cases, dtype
 
@@ -99,10 +115,14 @@ def main(argv=None) -> int:
     ap.add_argument("--quant", nargs="+", default=["int8", "gguf"],
                     help=f"quantizers beside bf16 (or {', '.join(ALIASES)})")
     ap.add_argument("--out", default="reports/quant-steps")
+    ap.add_argument("--unpacked", action="store_true",
+                    help="INT8 quantizers also without their VNNI weight copy (oneDNN's INT8 GEMM), side by side")
     args = ap.parse_args(argv)
     from core.bench.roofline import machine_info
 
     quants = variants(args.quant)
+    if args.unpacked:
+        quants += [q + NO_PACK for q in args.quant if "quant=int8" in ALIASES.get(q, [f"quant={q}"])]
     cases, dtype = measure(quants)
     m = machine_info()
     names = ["none"] + quants
@@ -117,7 +137,8 @@ def main(argv=None) -> int:
           f"- machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}\n"
           f"- engines: the default (continuous + paged, model.dtype=auto: {dtype}) on the embedded model, one "
           f"per quantizer (`none` is the unquantized model; `{NO_INT.strip()}`: stepped without the integer "
-          f"GEMM, the weight dequantized to bf16 for each many-row call, as CPUs without AMX or AVX512-VNNI run it); "
+          f"GEMM, the weight dequantized to bf16 for each many-row call, as CPUs without AMX or AVX512-VNNI run it; "
+          f"`{NO_PACK.strip()}`: INT8 layers without their VNNI weight copy); "
           f"{ROUNDS} rounds, alternating\n"
           f"- made by `python -m benchmarks.quant_steps`\n\n" + "\n".join(rows) + "\n")
     write_report(args.out, md, {"machine": m, "rounds": ROUNDS, "cases": cases})

@@ -86,5 +86,5 @@ def linear_spec(mod: nn.Module, dtype: torch.dtype) -> tuple | None:
         if not mod.fast or mod.weight_q.device.type != "cpu" or mod.in_features % cpu_quant.GROUP or \
                 not cpu_quant.available():
             return None
-        return INT8_A8 if mod.a8 else INT8, False, mod.weight_q, mod.scales, None, bias
+        return INT8_A8 if mod.a8 else INT8, False, mod.weight_q, mod.scales, mod.packed, bias
     return None

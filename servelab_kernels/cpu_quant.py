@@ -32,6 +32,10 @@ the inner loop is integer dot products (AVX512-VNNI), scaled once per group or p
   CPUs too a step's numbers do not depend on how many rows it has. On a 2-core Zen 4 that GEMM of
   2M rows costs 0.95-1.05x bf16's packed GEMM of M rows, where dequantizing the weight for each
   call cost 1.1-1.5x.
+- INT8 over a copy packed once for VNNI (`q8_gemm_vnni`, servelab_kernels.int8_pack): oneDNN re-lays
+  out the weight at every call, which out of cache costs more than the products at decode sizes;
+  Int8Linear keeps the weight also as `vpdpbusd` wants it and q8_matmul multiplies by it from 4
+  rows up to 256 part rows (a row is 2 parts with 14-bit activations, 1 with INT8): the same sums.
 
 `q4_linear_ref` and `q8_linear_ref` are the torch twins with the same rounding (the tests hold
 the kernels to them within float summation order); the plain dequantize-and-multiply stays the
@@ -82,10 +86,15 @@ def ops(portable: bool = False):
         if hasattr(getattr(torch.ops, ns), "q8_gemm_int"):
             torch.library.register_fake(f"{ns}::q8_gemm_int")(
                 lambda x, w, s, levels=Q16: x.new_empty(x.shape[0], w.shape[0]))
+        if hasattr(getattr(torch.ops, ns), "q8_gemm_vnni"):
+            torch.library.register_fake(f"{ns}::q8_gemm_vnni")(
+                lambda x, p, s, levels=Q16: x.new_empty(x.shape[0], p.shape[0] * 16))
+            torch.library.register_fake(f"{ns}::q8_pack_vnni")(
+                lambda w: w.new_empty(w.shape[0] // 16, w.shape[1] // 4, 16, 4, dtype=torch.uint8))
         torch.library.register_fake(f"{ns}::q4_matmul")(
             lambda x, w, dm, rows, int_gemm: x.new_empty(x.shape[0], w.shape[0]))
         torch.library.register_fake(f"{ns}::q8_matmul")(
-            lambda x, w, s, rows, int_gemm, levels=Q16: x.new_empty(x.shape[0], w.shape[0]))
+            lambda x, w, s, rows, int_gemm, levels=Q16, packed=None: x.new_empty(x.shape[0], w.shape[0]))
     return getattr(torch.ops, ns)
 
 
@@ -204,13 +213,15 @@ def int_gemm(on: bool):
     return _int_gemm.set(on)
 
 
-def q8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, levels: int = Q16) -> torch.Tensor:
+def q8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, levels: int = Q16,
+              packed: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ (q * scales).T: AMX tiles where amx_ready(), else the GEMV for up to q8_gemv_rows()
     rows and above it oneDNN's INT8 GEMM of the split activations (bf16 rows, VNNI builds) or a GEMM
     over the weight dequantized for this call (`int_gemm(False)` turns both integer GEMMs off); one
     op either way, so a compiled graph does not branch (and recompile) on the number of rows.
-    levels=A8 (W8A8): the activations as INT8, the GEMV and one INT8 GEMM of M rows; no float GEMM."""
-    return ops().q8_matmul(x, q, scales, q8_gemv_rows(), _int_gemm.on, levels)
+    levels=A8 (W8A8): the activations as INT8, the GEMV and one INT8 GEMM of M rows; no float GEMM.
+    packed: q laid out by servelab_kernels.int8_pack, for the VNNI GEMM up to a few hundred rows."""
+    return ops().q8_matmul(x, q, scales, q8_gemv_rows(), _int_gemm.on, levels, packed)
 
 
 def q4_1_groups(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int):

@@ -201,6 +201,20 @@ def _room_to_pack(nbytes: int) -> bool:
     return _packed_bytes + nbytes <= PACK_MEMORY_SHARE * ram
 
 
+def claim_pack_memory(nbytes: int) -> bool:
+    """Count a packed copy of `nbytes` against PACK_MEMORY_SHARE, shared with the bf16 copies
+    (servelab_kernels.int8_pack's too); False, counting nothing, once there is no room.
+    The caller gives the bytes back with `weakref.finalize(copy, release_pack_memory, nbytes)`."""
+    global _packed_bytes
+    if not _room_to_pack(nbytes):
+        return False
+    _packed_bytes += nbytes
+    return True
+
+
+release_pack_memory = _release
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """oneDNN's packed copy of a [N, K] bf16 weight (an opaque mkldnn tensor; any number of rows)."""
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 64)

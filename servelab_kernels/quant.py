@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from servelab_kernels import cpu_quant
+from servelab_kernels import cpu_quant, int8_pack
 from servelab_kernels.dispatch import use_triton
 
 INT4_INNER_K_TILES = 2  # the CPU packer's tiling: K must be a multiple of 16 * this
@@ -55,14 +55,16 @@ def w8a8_matmul_ref(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> t
 INT8_DEQUANT_ROWS = 24
 
 
-def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, a8: bool = False) -> torch.Tensor:
+def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, a8: bool = False,
+                packed: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ (q * scales).T: Triton on CUDA; on the CPU the C++ op (AMX tiles where the CPU has
     them, else the GEMV for few rows and a GEMM in x's precision over the weight dequantized on the fly
     for many), or aten's packed kernel and a bf16 GEMM where it did not build. a8: W8A8, the
-    activations as INT8 per row (the C++ op's GEMV and one INT8 GEMM; its twin where it did not build)."""
+    activations as INT8 per row (the C++ op's GEMV and one INT8 GEMM; its twin where it did not build).
+    packed: q as servelab_kernels.int8_pack lays it out, for the C++ op's VNNI GEMM."""
     if a8:
         if x.device.type == "cpu" and q.shape[1] % cpu_quant.GROUP == 0 and cpu_quant.available():
-            return cpu_quant.q8_matmul(x, q, scales, cpu_quant.A8)
+            return cpu_quant.q8_matmul(x, q, scales, cpu_quant.A8, packed)
         return w8a8_matmul_ref(x, q, scales)
     if use_triton(x):
         from servelab_kernels.triton_quant import int8_matmul as triton_int8_matmul
@@ -71,7 +73,7 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, a8: bool
     if x.device.type == "cpu":
         # every path in one op: no branch on the rows in a compiled graph
         if q.shape[1] % cpu_quant.GROUP == 0 and cpu_quant.available():
-            return cpu_quant.q8_matmul(x, q, scales)
+            return cpu_quant.q8_matmul(x, q, scales, cpu_quant.Q16, packed)
         xb, sb = x.to(torch.bfloat16), scales.to(torch.bfloat16)
         if x.shape[0] > INT8_DEQUANT_ROWS:
             return F.linear(xb, q.to(torch.bfloat16) * sb[:, None]).to(x.dtype)
@@ -127,6 +129,10 @@ class Int8Linear(nn.Module):
         cpu_kernel = fast and not use_triton(q)  # the packed CPU kernel takes bf16 scales; Triton reads fp32
         if cpu_kernel and q.device.type == "cpu":
             cpu_quant.available()  # built (or found built) now: its first call inside a torch.compile trace cannot build
+        # the weight laid out once for the VNNI GEMM (None where it does not apply: AMX tiles take W8A16's
+        # many rows from the plain weight); not saved with the model
+        pack = cpu_kernel and q.device.type == "cpu" and (a8 or not cpu_quant.amx_ready())
+        self.register_buffer("packed", int8_pack.pack_vnni(q) if pack else None, persistent=False)
         self.register_buffer("scales", scales.to(torch.bfloat16) if cpu_kernel else scales.float())
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.fast = fast
@@ -151,7 +157,7 @@ class Int8Linear(nn.Module):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         if self.fast:
-            y = int8_matmul(x2, self.weight_q, self.scales, a8=self.a8)
+            y = int8_matmul(x2, self.weight_q, self.scales, a8=self.a8, packed=self.packed)
         else:
             y = (w8a8_matmul_ref if self.a8 else int8_matmul_ref)(x2, self.weight_q, self.scales)
         y = y.reshape(*shape[:-1], self.out_features)

@@ -25,7 +25,8 @@ using WriteAndDecodeFn = at::Tensor(at::Tensor, at::Tensor, at::Tensor, at::Tens
                                     at::Tensor, at::Tensor, double, c10::optional<at::Tensor>,
                                     c10::optional<at::Tensor>);
 using Q4MatmulFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, bool);
-using Q8MatmulFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, bool, int64_t);
+using Q8MatmulFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, bool, int64_t,
+                              const c10::optional<at::Tensor>&);
 using AmxLinearFn = at::Tensor(at::Tensor, at::Tensor, int64_t, c10::optional<at::Tensor>);
 
 template <typename Fn>
@@ -50,7 +51,7 @@ struct Linear {
   int64_t kind = DENSE;
   int64_t levels = Q8_LEVELS;  // INT8: the activations' integer levels a side
   bool gemv = false;  // DENSE: the eager forward would take the GEMV at few rows
-  at::Tensor weight, second, packed;  // DENSE / TILES: weight, -, packed | INT4: nibbles, dm, - | INT8: q, scales, -
+  at::Tensor weight, second, packed;  // DENSE / TILES: weight, -, packed | INT4: nibbles, dm, - | INT8: q, scales, VNNI copy
   c10::optional<at::Tensor> bias;
 };
 
@@ -157,7 +158,8 @@ struct DecodePlan : torch::CustomClassHolder {
         y = q4_matmul_->call(x, lin.weight, lin.second, q4_rows_, int_gemm_);
         break;
       case INT8:
-        y = q8_matmul_->call(x, lin.weight, lin.second, q8_rows_, int_gemm_, lin.levels);
+        y = q8_matmul_->call(x, lin.weight, lin.second, q8_rows_, int_gemm_, lin.levels,
+                             lin.packed.defined() ? c10::optional<at::Tensor>(lin.packed) : c10::nullopt);
         break;
       case TILES:
         if (lin.gemv && rows <= gemv_rows_) return bf16_linear_.call(x.stride(1) == 1 ? x : x.contiguous(), lin.weight);

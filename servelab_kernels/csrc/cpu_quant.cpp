@@ -835,14 +835,14 @@ void combine_rows(const int32_t* sums, int64_t M, int64_t nt, const float* dx, c
 
 }  // namespace q8split
 
+// The activations as INT8 part rows [R, K]: each row's hi and lo halves of its 14-bit integers
+// (rows M.. the lo parts: R = 2M), or with `levels` <= 127 the row itself (R = M); dx the row scales.
 template <typename T>
-torch::Tensor q8_gemm_int_impl(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales,
-                               int64_t levels) {
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
-  const bool split = levels > 127;  // 8-bit activations (W8A8) are one INT8 part: M rows, not 2M
-  const int64_t R = split ? 2 * M : M;
-  auto parts = torch::empty({R, K}, x.options().dtype(torch::kChar));
-  std::vector<float> dx(M);
+torch::Tensor activation_parts(const torch::Tensor& x, int64_t levels, std::vector<float>& dx) {
+  const int64_t M = x.size(0), K = x.size(1);
+  const bool split = levels > 127;
+  auto parts = torch::empty({split ? 2 * M : M, K}, x.options().dtype(torch::kChar));
+  dx.resize(M);
   int8_t* pp = parts.data_ptr<int8_t>();
   const T* xp = x.data_ptr<T>();
   at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
@@ -854,6 +854,17 @@ torch::Tensor q8_gemm_int_impl(const torch::Tensor& x, const torch::Tensor& w, c
       }
     }
   });
+  return parts;
+}
+
+template <typename T>
+torch::Tensor q8_gemm_int_impl(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales,
+                               int64_t levels) {
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  const bool split = levels > 127;  // 8-bit activations (W8A8) are one INT8 part: M rows, not 2M
+  const int64_t R = split ? 2 * M : M;
+  std::vector<float> dx;
+  const torch::Tensor parts = activation_parts<T>(x, levels, dx);
   const auto s = scales.to(torch::kFloat32).contiguous();
   const float* sp = s.data_ptr<float>();
   auto y = torch::empty({M, N}, x.options());
@@ -879,6 +890,133 @@ torch::Tensor q8_gemm_int(const torch::Tensor& x, const torch::Tensor& w, const 
   if (x.size(0) == 0) return torch::empty({0, w.size(0)}, x.options());
   if (x.scalar_type() == torch::kFloat32) return q8_gemm_int_impl<float>(x.contiguous(), w, scales, levels);
   return q8_gemm_int_impl<at::BFloat16>(x.to(torch::kBFloat16).contiguous(), w, scales, levels).to(x.scalar_type());
+}
+
+// ---- INT8 weights packed once for VNNI, times up to a few hundred rows -------------------------
+//
+// oneDNN's INT8 GEMM (q8_gemm_int) re-lays out the weight at every call; out of cache that pass,
+// not the products, sets its speed at decode sizes (a 2-core Zen 4, 64 rows, 30 distinct weights
+// per round: 380-534 GOPS against 578-628 here). So the weight is laid out once for vpdpbusd
+// (q8_pack_vnni): per 16 output rows, K/4 lines of 16 x 4 consecutive inputs, each stored as
+// w + 128 (vpdpbusd multiplies unsigned by signed bytes: the weight takes the unsigned side so that
+// an activation dword can be broadcast from memory). sum((w + 128) a) - 128 sum(a) = sum(w a)
+// exactly in int32 (K below 66,000), so the sums are q8_gemm_int's and the GEMV's, bit for bit.
+// A register tile is 6 activation rows x 32 outputs (12 accumulators); 96 rows at a time are swept
+// over a chunk of 16 panels of 32 outputs, so the chunk's weights stay in L2 while the rows stream.
+namespace q8vnni {
+
+constexpr int NR = 2, MR = 6;  // 16-output vectors and activation rows of a register tile
+constexpr int64_t MB = 96;     // activation rows swept over a chunk of panels at a time
+constexpr int64_t PC = 16;     // panels a chunk: 512 outputs, their weights (K x 512 bytes) held in L2
+
+template <int R>
+inline void tile(const uint8_t* wp, int64_t bstride, const int8_t* a, int64_t K, int32_t* c, int64_t ldc) {
+  __m512i acc[R][NR];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_setzero_si512();
+  for (int64_t k = 0; k < K; k += 4) {
+    __m512i wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = _mm512_loadu_si512(wp + j * bstride + k * 16);
+    for (int r = 0; r < R; ++r) {
+      int32_t dword;
+      std::memcpy(&dword, a + r * K + k, 4);
+      const __m512i av = _mm512_set1_epi32(dword);
+      for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_dpbusd_epi32(acc[r][j], wv[j], av);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NR; ++j) _mm512_storeu_si512(c + r * ldc + j * 16, acc[r][j]);
+}
+
+inline void rows(int64_t r, const uint8_t* wp, int64_t bstride, const int8_t* a, int64_t K, int32_t* c, int64_t ldc) {
+  switch (r) {
+    case 1: tile<1>(wp, bstride, a, K, c, ldc); break;
+    case 2: tile<2>(wp, bstride, a, K, c, ldc); break;
+    case 3: tile<3>(wp, bstride, a, K, c, ldc); break;
+    case 4: tile<4>(wp, bstride, a, K, c, ldc); break;
+    case 5: tile<5>(wp, bstride, a, K, c, ldc); break;
+    default: tile<6>(wp, bstride, a, K, c, ldc); break;
+  }
+}
+
+}  // namespace q8vnni
+
+bool vnni_packable(int64_t N, int64_t K) { return N % (16 * q8vnni::NR) == 0 && K % 4 == 0 && K < 66000; }
+
+torch::Tensor q8_pack_vnni(const torch::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kChar, "q8_pack_vnni: w int8 [N, K]");
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(vnni_packable(N, K), "q8_pack_vnni: N a multiple of 32, K of 4 (below 66,000)");
+  const auto wc = w.contiguous();
+  auto p = torch::empty({N / 16, K / 4, 16, 4}, w.options().dtype(torch::kByte));
+  const int8_t* src = wc.data_ptr<int8_t>();
+  uint8_t* dst = p.data_ptr<uint8_t>();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t k = 0; k < K; ++k)
+        dst[(((n / 16) * (K / 4) + k / 4) * 16 + n % 16) * 4 + k % 4] = static_cast<uint8_t>(src[n * K + k] + 128);
+  });
+  return p;
+}
+
+template <typename T>
+torch::Tensor q8_gemm_vnni_impl(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
+                                int64_t levels) {
+  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * 16;
+  const bool split = levels > 127;
+  const int64_t R = split ? 2 * M : M, PW = 16 * q8vnni::NR;
+  std::vector<float> dx;
+  const torch::Tensor parts = activation_parts<T>(x, levels, dx);
+  const int8_t* pp = parts.data_ptr<int8_t>();
+  std::vector<int32_t> rsum(R);  // each part row's sum: the unsigned weights' offset, 128 of each
+  for (int64_t r = 0; r < R; ++r) {
+    int32_t s = 0;
+    for (int64_t k = 0; k < K; ++k) s += pp[r * K + k];
+    rsum[r] = 128 * s;
+  }
+  const auto s = scales.to(torch::kFloat32).contiguous();
+  const float* sp = s.data_ptr<float>();
+  auto y = torch::empty({M, N}, x.options());
+  T* yp = y.data_ptr<T>();
+  const bool wide = K * levels * 127 >= (int64_t{1} << 31);
+  const uint8_t* wq = packed.data_ptr<uint8_t>();
+  const int64_t bstride = K * 16;  // bytes of one 16-output block
+  at::parallel_for(0, N / PW, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<int32_t> sums(R * PW * q8vnni::PC);  // [panel][R][PW]
+    for (int64_t c0 = p0; c0 < p1; c0 += q8vnni::PC) {
+      const int64_t c1 = std::min(p1, c0 + q8vnni::PC);
+      for (int64_t mb = 0; mb < R; mb += q8vnni::MB) {
+        const int64_t me = std::min(R, mb + q8vnni::MB);
+        for (int64_t p = c0; p < c1; ++p) {
+          int32_t* c = sums.data() + (p - c0) * R * PW;
+          for (int64_t m = mb; m < me; m += q8vnni::MR)
+            q8vnni::rows(std::min<int64_t>(q8vnni::MR, me - m), wq + p * PW * K, bstride, pp + m * K, K, c + m * PW, PW);
+        }
+      }
+      for (int64_t p = c0; p < c1; ++p) {
+        int32_t* c = sums.data() + (p - c0) * R * PW;
+        for (int64_t r = 0; r < R; ++r) {
+          const __m512i off = _mm512_set1_epi32(rsum[r]);
+          for (int64_t j = 0; j < PW; j += 16)
+            _mm512_storeu_si512(c + r * PW + j, _mm512_sub_epi32(_mm512_loadu_si512(c + r * PW + j), off));
+        }
+        q8split::combine_rows<T>(c, M, PW, dx.data(), sp + p * PW, yp + p * PW, N, wide, 0, M, split);
+      }
+    }
+  });
+  return y;
+}
+
+torch::Tensor q8_gemm_vnni(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
+                           int64_t levels) {
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 4 &&
+                  x.size(1) == packed.size(1) * 4 && packed.scalar_type() == torch::kByte && packed.is_contiguous(),
+              "q8_gemm_vnni: x [M, K], packed as q8_pack_vnni lays it out");
+  TORCH_CHECK(levels == Q16 || (levels >= 1 && levels <= 127), "q8_gemm_vnni: levels 8191 or 1..127");
+  if (x.size(0) == 0) return torch::empty({0, packed.size(0) * 16}, x.options());
+  if (x.scalar_type() == torch::kFloat32) return q8_gemm_vnni_impl<float>(x.contiguous(), packed, scales, levels);
+  return q8_gemm_vnni_impl<at::BFloat16>(x.to(torch::kBFloat16).contiguous(), packed, scales, levels)
+      .to(x.scalar_type());
 }
 #endif
 
@@ -1034,25 +1172,47 @@ bool use_amx(const torch::Tensor& x, const torch::Tensor& w) {
 
 // Where `int_gemm` allows it, the AMX GEMM where it serves (at any number of rows: it is faster than
 // the GEMV from one row on); else the GEMV up to `gemv_rows` rows; else, for bf16 rows on an
-// AVX512-VNNI build, oneDNN's INT8 GEMM of the split activations (q8_gemm_int: the GEMV's sums);
-// else a GEMM in x's precision over the weight dequantized for this call (bf16 unless x is fp32: an
-// AVX2-only CPU runs bf16 GEMMs 8x slower than fp32).
-// Coarser activations (`levels` < 8191, W8A8) take the GEMV and the INT8 GEMM only, with those
-// levels: no AMX split, and never a float GEMM, whose numbers would be another model's.
+// AVX512-VNNI build, the INT8 GEMM of the split activations (the GEMV's sums): over the weight
+// `packed` by q8_pack_vnni up to VNNI_ROWS part rows (2 a row), oneDNN's (q8_gemm_int) above or
+// without it; else a GEMM in x's precision over the weight dequantized for this call (bf16 unless x
+// is fp32: an AVX2-only CPU runs bf16 GEMMs 8x slower than fp32).
+// Coarser activations (`levels` < 8191, W8A8) take the GEMV and the INT8 GEMMs only (one part row
+// a row), with those levels: no AMX split, and never a float GEMM, whose numbers would be another model's.
+// With a packed copy the GEMV serves up to VNNI_GEMV_ROWS rows only. On a 2-core Zen 4, each SmolLM2
+// shape, 30 distinct weights a round (medians of 5): the packed GEMM ran 0.9-1.0x the GEMV at 1 row
+// of 14-bit activations, 1.0-1.3x at 4, 1.2-1.8x at 8 (INT8 activations 1.0-1.2x at 1 row, 1.3-1.4x at
+// 4); against oneDNN's 1.2-1.8x at 32-64 part rows, 1.0-1.1x at 128-384, 1.0x at 512, 0.9-1.06x at
+// 768; the head (49,152 x 576) 1.2-2.3x oneDNN's at 1-128 rows. In engine steps (medians of 9
+// alternating rounds) 64 decodes with a 192-token chunk ran 0.92x and 0.96x unpacked at 512 part
+// rows of 14-bit activations, and 1.10x with INT8 activations (256), hence 256.
+constexpr int64_t VNNI_ROWS = 256, VNNI_GEMV_ROWS = 3;
+
 torch::Tensor q8_matmul(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales,
-                        int64_t gemv_rows, bool int_gemm, int64_t levels) {
+                        int64_t gemv_rows, bool int_gemm, int64_t levels, const c10::optional<torch::Tensor>& packed) {
+  const int64_t rows = x.size(0);
+#ifdef SERVELAB_VNNI
+  const bool int_rows = int_gemm && x.scalar_type() == torch::kBFloat16;
+  if (int_rows && packed.has_value() && packed->defined() && rows > std::min(gemv_rows, VNNI_GEMV_ROWS) &&
+      (levels == Q16 ? 2 * rows : rows) <= VNNI_ROWS) {
+#ifdef SERVELAB_AMX
+    if (levels != Q16 || !use_amx(x, w)) return q8_gemm_vnni(x, *packed, scales, levels);
+#else
+    return q8_gemm_vnni(x, *packed, scales, levels);
+#endif
+  }
+#endif
   if (levels != Q16) {
 #ifdef SERVELAB_VNNI
-    if (int_gemm && x.size(0) > gemv_rows && x.scalar_type() == torch::kBFloat16) return q8_gemm_int(x, w, scales, levels);
+    if (int_rows && rows > gemv_rows) return q8_gemm_int(x, w, scales, levels);
 #endif
     return q8_linear(x, w, scales, levels);
   }
 #ifdef SERVELAB_AMX
-  if (int_gemm && x.size(0) > 0 && use_amx(x, w)) return q8_gemm_amx(x, w, scales);
+  if (int_gemm && rows > 0 && use_amx(x, w)) return q8_gemm_amx(x, w, scales);
 #endif
-  if (x.size(0) <= gemv_rows) return q8_linear(x, w, scales, levels);
+  if (rows <= gemv_rows) return q8_linear(x, w, scales, levels);
 #ifdef SERVELAB_VNNI
-  if (int_gemm && x.scalar_type() == torch::kBFloat16) return q8_gemm_int(x, w, scales, levels);
+  if (int_rows) return q8_gemm_int(x, w, scales, levels);
 #endif
   if (x.scalar_type() == torch::kFloat32) return q8_gemm<float>(x.contiguous(), w, scales);
   return q8_gemm<at::BFloat16>(x.to(torch::kBFloat16).contiguous(), w, scales).to(x.scalar_type());
@@ -1066,7 +1226,8 @@ TORCH_LIBRARY(SERVELAB_NS, m) {
   m.def("q4_dequantize(Tensor w, Tensor dm, ScalarType dtype) -> Tensor");
   m.def("q8_dequantize(Tensor w, Tensor scales) -> Tensor");
   m.def("q4_matmul(Tensor x, Tensor w, Tensor dm, int gemv_rows, bool int_gemm) -> Tensor");
-  m.def("q8_matmul(Tensor x, Tensor w, Tensor scales, int gemv_rows, bool int_gemm, int levels=8191) -> Tensor");
+  m.def("q8_matmul(Tensor x, Tensor w, Tensor scales, int gemv_rows, bool int_gemm, int levels=8191, "
+        "Tensor? packed=None) -> Tensor");
   m.def("portable() -> bool", &portable_build);
   m.def("amx_ready() -> bool", &amx_ready);
 #ifdef SERVELAB_AMX
@@ -1075,6 +1236,8 @@ TORCH_LIBRARY(SERVELAB_NS, m) {
 #ifdef SERVELAB_VNNI
   m.def("q8_gemm_int(Tensor x, Tensor w, Tensor scales, int levels=8191) -> Tensor");
   m.def("q4_gemm_int(Tensor x, Tensor w, Tensor dm) -> Tensor");
+  m.def("q8_pack_vnni(Tensor w) -> Tensor");
+  m.def("q8_gemm_vnni(Tensor x, Tensor packed, Tensor scales, int levels=8191) -> Tensor");
 #endif
 }
 
@@ -1091,5 +1254,7 @@ TORCH_LIBRARY_IMPL(SERVELAB_NS, CPU, m) {
 #ifdef SERVELAB_VNNI
   m.impl("q8_gemm_int", &q8_gemm_int);
   m.impl("q4_gemm_int", &q4_gemm_int);
+  m.impl("q8_pack_vnni", &q8_pack_vnni);
+  m.impl("q8_gemm_vnni", &q8_gemm_vnni);
 #endif
 }

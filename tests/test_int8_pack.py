@@ -1,0 +1,103 @@
+"""INT8 weights laid out once for the VNNI GEMM (servelab_kernels.int8_pack, csrc q8_gemm_vnni): the
+layout's twin, the GEMM's integer sums against oneDNN's and the exact twin, the dispatch, the module."""
+
+import pytest
+import torch
+from torch import nn
+
+from servelab_kernels import cpu_quant, int8_pack, linear
+from servelab_kernels.cpu_quant import A8, Q16, q8_linear_ref
+from servelab_kernels.quant import Int8Linear
+
+g = torch.Generator().manual_seed(3)
+
+
+def case(n: int, k: int, rows: int):
+    w = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scales = (torch.rand(n, generator=g) * 0.01 + 1e-4).to(torch.bfloat16)
+    x = torch.randn(rows, k, generator=g)
+    x[0, 5] = 40.0  # an outlier sets its row's scale
+    x[-1, -1] = -30.0  # and one in the tail past the 16-wide loops
+    return w, scales, x
+
+
+@pytest.mark.vnni
+def test_the_layout_is_its_twin():
+    w = torch.randint(-127, 128, (64, 36), generator=g, dtype=torch.int8)
+    p = int8_pack.pack_vnni(w)
+    assert p.shape == (4, 9, 16, 4) and p.dtype == torch.uint8
+    assert p[1, 2, 3, 1].item() == w[16 + 3, 2 * 4 + 1].item() + 128
+    assert torch.equal(int8_pack.unpack_vnni(p), w)
+
+
+@pytest.mark.vnni
+@pytest.mark.parametrize("levels", [Q16, A8])
+@pytest.mark.parametrize("n, k", [(64, 36), (960, 576), (576, 1536), (32, 3000)])  # 3000: sums past int32
+@pytest.mark.parametrize("rows", [1, 7, 13, 100, 300])  # register tiles of 6, sweeps of 96 part rows
+def test_the_packed_gemm_gives_the_gemvs_integer_sums(n, k, rows, levels):
+    w, scales, x = case(n, k, rows)
+    p, ops = int8_pack.pack_vnni(w), cpu_quant.ops()
+    # exact integer sums recombined and multiplied as the twin does: equal, not close
+    torch.testing.assert_close(ops.q8_gemm_vnni(x, p, scales, levels), q8_linear_ref(x, w, scales, levels),
+                               atol=0, rtol=0)
+    xb = x.bfloat16()
+    got = ops.q8_gemm_vnni(xb, p, scales, levels)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, ops.q8_gemm_int(xb, w, scales, levels))  # oneDNN's GEMM over the plain weight
+
+
+@pytest.mark.vnni
+@pytest.mark.parametrize("levels", [Q16, A8])
+def test_q8_matmul_takes_the_packed_gemm_up_to_its_rows(levels):
+    w, scales, _ = case(96, 128, 1)
+    other = int8_pack.pack_vnni(torch.randint(-127, 128, (96, 128), generator=g, dtype=torch.int8))
+    ops = cpu_quant.ops()
+    for rows in (12, 100, 200, 300):  # 200 rows of 14-bit activations are 400 part rows: past VNNI_ROWS
+        x = torch.randn(rows, 128, generator=g).bfloat16()
+        parts = 2 * rows if levels == Q16 else rows
+        # handed another weight's copy, the op shows which GEMM ran
+        got = cpu_quant.q8_matmul(x, w, scales, levels, other)
+        want = ops.q8_gemm_vnni(x, other, scales, levels) if parts <= 256 else ops.q8_gemm_int(x, w, scales, levels)
+        assert torch.equal(got, want), rows
+    with cpu_quant.int_gemm(False):  # off: no integer GEMM at all, packed or not
+        x = torch.randn(40, 128, generator=g).bfloat16()
+        assert not torch.equal(cpu_quant.q8_matmul(x, w, scales, levels, other), ops.q8_gemm_vnni(x, other, scales, levels))
+
+
+def test_a_packed_copy_is_made_only_where_it_applies(monkeypatch):
+    lin = nn.Linear(64, 96, bias=False)
+    with int8_pack.packing(False):
+        assert Int8Linear.from_linear(lin).packed is None
+    assert Int8Linear.from_linear(nn.Linear(64, 80)).packed is None  # 80 outputs: not panels of 32
+    assert Int8Linear.from_linear(lin, fast=False).packed is None
+    monkeypatch.setattr(linear, "PACK_MEMORY_SHARE", 0.0)  # no room left under the packed copies' share
+    assert Int8Linear.from_linear(lin).packed is None
+    monkeypatch.undo()
+    m = Int8Linear.from_linear(lin)
+    assert (m.packed is not None) == cpu_quant.int_gemm_built()
+    assert "packed" not in m.state_dict()
+
+
+@pytest.mark.parametrize("a8", [False, True])
+def test_an_int8_layer_gives_the_same_outputs_with_and_without_its_packed_copy(a8):
+    lin = nn.Linear(576, 960, bias=True)
+    packed = Int8Linear.from_linear(lin, a8=a8)
+    with int8_pack.packing(False):
+        plain = Int8Linear.from_linear(lin, a8=a8)
+    for rows in (1, 9, 64, 200):
+        x = torch.randn(rows, 576, generator=g).bfloat16()
+        assert torch.equal(packed(x), plain(x))
+    fused = Int8Linear.concat([packed, packed])
+    assert (fused.packed is not None) == (packed.packed is not None)
+    x = torch.randn(64, 576, generator=g).bfloat16()
+    assert torch.equal(fused(x), torch.cat([plain(x), plain(x)], dim=-1))
+
+
+@pytest.mark.vnni
+def test_the_packed_ops_trace_under_compile():
+    w, scales, x = case(32, 64, 2)
+    p = int8_pack.pack_vnni(w)
+    ops = cpu_quant.ops()
+    for op, args in ((ops.q8_matmul, (x.bfloat16(), w, scales, 1, True, Q16, p)),
+                     (ops.q8_gemm_vnni, (x.bfloat16(), p, scales, A8)), (ops.q8_pack_vnni, (w,))):
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
