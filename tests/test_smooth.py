@@ -108,3 +108,18 @@ def test_the_searchs_error_is_the_w8a8_twins():
     q, scales = quantize_int8(w * s)
     want = (w8a8_matmul_ref(x / s, q, scales) - x @ w.T).pow(2).mean().item()
     assert w8a8_error(x, [w], s) == pytest.approx(want, rel=1e-4)
+
+
+def test_calibration_keeps_few_rows_but_the_largest_magnitudes_of_all(tiny_dirs):
+    from core.model.quantize import capture_linear_inputs
+    from core.model.smooth import capture_inputs_and_absmax
+
+    lm = load_model(tiny_dirs["llama"], "fp32")
+    prompts = [[(7 * i + j) % 200 + 3 for j in range(48)] for i in range(4)]
+    name = "model.layers.1.mlp.down_proj"
+    rows, absmax = capture_inputs_and_absmax(lm.model, prompts, {name}, max_rows=20)
+    everything = capture_linear_inputs(lm.model, prompts, max_rows=10_000)[name]
+    assert everything.shape[0] == 4 * 48 and rows[name].shape == (20, everything.shape[1])
+    torch.testing.assert_close(absmax[name], everything.abs().amax(0), rtol=0, atol=0)
+    # the kept rows are rows that were seen
+    assert all(bool((everything == r).all(1).any()) for r in rows[name])

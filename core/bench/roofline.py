@@ -97,7 +97,9 @@ def machine_rates(remeasure: bool = False, device="cpu") -> dict:
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of every distinct parameter and buffer a forward pass reads (tied weights once)."""
+    """Bytes of every distinct parameter and buffer a forward pass reads (tied weights once). A
+    non-persistent buffer (a kernel's second layout of a weight: Int8Linear.packed) is left out: a
+    step reads one of the two copies."""
     seen, total = set(), 0
     for name, t in _tensors(model):
         if t.data_ptr() in seen or name.startswith("rope."):
@@ -109,7 +111,8 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 def _tensors(model: torch.nn.Module):
     yield from model.named_parameters()
-    yield from model.named_buffers()
+    saved = model.state_dict().keys()
+    yield from ((name, b) for name, b in model.named_buffers() if name in saved)
 
 
 class CostModel:

@@ -146,10 +146,13 @@ def apply_smoothing(model: nn.Module, g: SmoothGroup, s: torch.Tensor, skip: set
 
 def capture_inputs_and_absmax(model: nn.Module, prompts: list[list[int]], names: set[str],
                               max_rows: int = 512) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Per named Linear: up to `max_rows` of its calibration input rows (fp32), and each input
-    channel's largest magnitude over all of them."""
+    """Per named Linear: about `max_rows` of its calibration input rows (fp32; an equal random share
+    of each prompt's, so memory stays at that many rows whatever the prompts' length), and each
+    input channel's largest magnitude over all rows."""
     from core.model.quantize import forward_prompt
 
+    share = -(-max_rows // max(1, len(prompts)))
+    gen = torch.Generator().manual_seed(0)
     seen: dict[str, list[torch.Tensor]] = {}
     absmax: dict[str, torch.Tensor] = {}
     hooks = []
@@ -157,9 +160,10 @@ def capture_inputs_and_absmax(model: nn.Module, prompts: list[list[int]], names:
         if name in names:
             def hook(_m, inputs, _out, name=name):
                 x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).float()
-                seen.setdefault(name, []).append(x)
                 m = x.abs().amax(dim=0)
                 absmax[name] = m if name not in absmax else torch.maximum(absmax[name], m)
+                keep = x if x.shape[0] <= share else x[torch.randperm(x.shape[0], generator=gen)[:share]]
+                seen.setdefault(name, []).append(keep)
             hooks.append(mod.register_forward_hook(hook))
     try:
         for p in prompts:
@@ -167,12 +171,7 @@ def capture_inputs_and_absmax(model: nn.Module, prompts: list[list[int]], names:
     finally:
         for h in hooks:
             h.remove()
-    gen = torch.Generator().manual_seed(0)
-    rows = {}
-    for name, xs in seen.items():
-        x = torch.cat(xs)
-        rows[name] = x[torch.randperm(x.shape[0], generator=gen)[:max_rows]] if x.shape[0] > max_rows else x
-    return rows, absmax
+    return {name: torch.cat(xs)[:max_rows] for name, xs in seen.items()}, absmax
 
 
 def smooth_model(model: nn.Module, prompts: list[list[int]], skip: set[str] = frozenset()) -> dict[str, dict]:
