@@ -278,12 +278,19 @@ def q4_gemm_ref(x: torch.Tensor, nibbles: torch.Tensor, dm: torch.Tensor) -> tor
     return y.to(x.dtype)
 
 
-def q8_linear_ref(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, levels: int = Q16) -> torch.Tensor:
-    """The INT8 kernel's twin: x to 14-bit integers with one scale a row (absmax / 8191), or to
-    INT8 (levels=A8: absmax / 127, W8A8)."""
+def round_rows_ref(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of x to integers of `levels` a side (one scale a row, half to even), as the INT8
+    kernels round: (integer-valued fp32 rows, each row's largest magnitude)."""
     xf = x.float()
     amax = xf.abs().amax(dim=-1, keepdim=True)
     # levels / amax as the kernel divides (a scalar over a tensor is reciprocal-then-multiply in torch)
     inv = torch.where(amax > 0, torch.full_like(amax, levels) / amax, torch.zeros_like(amax))
-    isum = (torch.round(xf * inv).double() @ w.double().T).float()
+    return torch.round(xf * inv), amax
+
+
+def q8_linear_ref(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, levels: int = Q16) -> torch.Tensor:
+    """The INT8 kernel's twin: x to 14-bit integers with one scale a row (absmax / 8191), or to
+    INT8 (levels=A8: absmax / 127, W8A8)."""
+    xq, amax = round_rows_ref(x, levels)
+    isum = (xq.double() @ w.double().T).float()
     return (isum * (amax / levels) * scales.float()[None]).to(x.dtype)

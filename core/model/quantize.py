@@ -65,15 +65,15 @@ def forward_prompt(model: nn.Module, token_ids: list[int], attention=None, kv_sp
         return model.compute_logits(model(ids, positions, meta, kv, attention)).float()
 
 
-def capture_linear_inputs(model: nn.Module, prompts: list[list[int]], max_rows: int = 512) -> dict[str, torch.Tensor]:
-    """Per Linear (by name): up to `max_rows` input rows seen over the calibration prompts (fp32)."""
-    seen: dict[str, list[torch.Tensor]] = {}
+def observe_linear_inputs(model: nn.Module, prompts: list[list[int]], names: set[str] | None,
+                          observe: Callable[[str, torch.Tensor], None]) -> None:
+    """Run the calibration prompts through the model, calling observe(name, x [rows, K] fp32) with
+    what each Linear named in `names` (None: every Linear) reads."""
     hooks = []
     for name, mod in model.named_modules():
-        if isinstance(mod, nn.Linear):
+        if isinstance(mod, nn.Linear) and (names is None or name in names):
             def hook(_m, inputs, _out, name=name):
-                x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).float()
-                seen.setdefault(name, []).append(x)
+                observe(name, inputs[0].detach().reshape(-1, inputs[0].shape[-1]).float())
             hooks.append(mod.register_forward_hook(hook))
     try:
         for p in prompts:
@@ -81,6 +81,12 @@ def capture_linear_inputs(model: nn.Module, prompts: list[list[int]], max_rows: 
     finally:
         for h in hooks:
             h.remove()
+
+
+def capture_linear_inputs(model: nn.Module, prompts: list[list[int]], max_rows: int = 512) -> dict[str, torch.Tensor]:
+    """Per Linear (by name): up to `max_rows` input rows seen over the calibration prompts (fp32)."""
+    seen: dict[str, list[torch.Tensor]] = {}
+    observe_linear_inputs(model, prompts, None, lambda name, x: seen.setdefault(name, []).append(x))
     out = {}
     gen = torch.Generator().manual_seed(0)
     for name, xs in seen.items():

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from servelab_kernels.cpu_quant import A8
+from core.model.quantize import observe_linear_inputs
+from servelab_kernels.cpu_quant import A8, round_rows_ref
 from servelab_kernels.quant import quantize_int8
 
 ALPHAS = tuple(i / 10 for i in range(11))
@@ -87,10 +88,7 @@ def w8a8_error(x: torch.Tensor, weights: list[torch.Tensor], s: torch.Tensor | N
     columns multiplied by it. The integer sums run in fp32 (the kernels' twin sums in fp64, exactly:
     a search needs the error, not the last bit). `refs`: the x W^T already computed."""
     err, n = 0.0, 0
-    xs = x if s is None else x / s
-    amax = xs.abs().amax(dim=1, keepdim=True)
-    inv = torch.where(amax > 0, torch.full_like(amax, A8) / amax, torch.zeros_like(amax))
-    xq = torch.round(xs * inv)
+    xq, amax = round_rows_ref(x if s is None else x / s, A8)
     for i, w in enumerate(weights):
         w = w.float()
         q, scales = quantize_int8(w if s is None else w * s)
@@ -149,28 +147,18 @@ def capture_inputs_and_absmax(model: nn.Module, prompts: list[list[int]], names:
     """Per named Linear: about `max_rows` of its calibration input rows (fp32; an equal random share
     of each prompt's, so memory stays at that many rows whatever the prompts' length), and each
     input channel's largest magnitude over all rows."""
-    from core.model.quantize import forward_prompt
-
     share = -(-max_rows // max(1, len(prompts)))
     gen = torch.Generator().manual_seed(0)
     seen: dict[str, list[torch.Tensor]] = {}
     absmax: dict[str, torch.Tensor] = {}
-    hooks = []
-    for name, mod in model.named_modules():
-        if name in names:
-            def hook(_m, inputs, _out, name=name):
-                x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).float()
-                m = x.abs().amax(dim=0)
-                absmax[name] = m if name not in absmax else torch.maximum(absmax[name], m)
-                keep = x if x.shape[0] <= share else x[torch.randperm(x.shape[0], generator=gen)[:share]]
-                seen.setdefault(name, []).append(keep)
-            hooks.append(mod.register_forward_hook(hook))
-    try:
-        for p in prompts:
-            forward_prompt(model, p)
-    finally:
-        for h in hooks:
-            h.remove()
+
+    def observe(name: str, x: torch.Tensor) -> None:
+        m = x.abs().amax(dim=0)
+        absmax[name] = m if name not in absmax else torch.maximum(absmax[name], m)
+        seen.setdefault(name, []).append(x if x.shape[0] <= share else
+                                         x[torch.randperm(x.shape[0], generator=gen)[:share]])
+
+    observe_linear_inputs(model, prompts, names, observe)
     return {name: torch.cat(xs)[:max_rows] for name, xs in seen.items()}, absmax
 
 
