@@ -1,9 +1,9 @@
 """Quantized weights against bf16 inside real engine steps: `python -m benchmarks.quant_steps`.
 
 One engine per configuration (bf16, `quant=int8`, `quant=gguf`, or `--quant ...`) on the embedded
-model, four step shapes: 64 decodes; 64 decodes plus a fresh 192-token prompt prefilled in the
-same step (256 tokens: the CPU's default step budget until 2026-12-06, now 128); 8 decodes (since
-2026-12-07); one decode (batch 1). Rounds alternate between the engines, so the machine's drift falls on all of
+model, five step shapes: 64 decodes; 64 decodes plus a fresh 64-token prompt prefilled in the same
+step (128 tokens: the CPU's default step budget since 2026-12-06; this case since 2026-12-07), and
+plus a 192-token one (256 tokens, the budget before); 8 decodes (since 2026-12-07); one decode (batch 1). Rounds alternate between the engines, so the machine's drift falls on all of
 them; the report gives each one's median step time and the median and range of its per-round speed
 against the unquantized model (> 1: faster). Where many-row INT8 steps run an integer GEMM (AMX tiles,
 or oneDNN's INT8 GEMM on AVX512-VNNI), `int8` also runs without it (`int8 (dequantized GEMM)`,
@@ -24,7 +24,7 @@ from benchmarks.ab import mean_seconds, write_report
 from benchmarks.profile_step import decoding_engine
 
 ROUNDS = 9
-PREFILL = 192  # beside 64 decodes: a 256-token step
+PREFILLS = (64, 192)  # beside 64 decodes: a 128-token step (the CPU's default budget) and a 256-token one
 
 
 def alternating(steps: dict, n: int) -> dict:
@@ -46,6 +46,7 @@ def alternating(steps: dict, n: int) -> dict:
 
 NO_INT = " (dequantized GEMM)"  # an engine stepped with servelab_kernels.cpu_quant.int_gemm(False)
 NO_PACK = " (oneDNN INT8 GEMM)"  # INT8 layers made without their VNNI copy (servelab_kernels.int8_pack)
+NO_DOT = " (14-bit VNNI GEMM)"  # W8A16 stepped with servelab_kernels.cpu_quant.bf16_dot(False)
 # names beside the quantizers' own: their overrides
 ALIASES = {"int8-w8a8": ["quant=int8", "quant.w8a8=true"],  # INT8 activations per token too
            "int8-w8a8-smooth": ["quant=int8", "quant.w8a8=true", "quant.smooth=true"]}  # and SmoothQuant-style scales
@@ -58,11 +59,12 @@ def variants(quants: list[str]) -> list[str]:
     def has_int_gemm(q: str) -> bool:
         return cpu_quant.int_gemm_ready() if q == "int8" else q in ("gguf", "int4") and cpu_quant.int_gemm_built()
 
-    return quants + [q + NO_INT for q in quants if has_int_gemm(q)]
+    dot = [q + NO_DOT for q in quants if q == "int8" and hasattr(cpu_quant.ops(), "q8_gemm_bf16")]
+    return quants + dot + [q + NO_INT for q in quants if has_int_gemm(q)]
 
 
 def base(q: str) -> str:
-    return q.removesuffix(NO_INT).removesuffix(NO_PACK)
+    return q.removesuffix(NO_INT).removesuffix(NO_PACK).removesuffix(NO_DOT)
 
 
 def build(overrides: list[str], q: str, rows: int):
@@ -79,28 +81,31 @@ def measure(quants: list[str]) -> tuple[dict, str]:
     names = ["none"] + quants
     overrides = {q: ALIASES.get(base(q), [f"quant={base(q)}"]) for q in names}
 
-    def stepper(engine, q):  # the engine's step, with the integer GEMM off for the NO_INT variant
-        if not q.endswith(NO_INT):
+    def stepper(engine, q):  # the engine's step, with the integer GEMM (NO_INT) or the bf16 dot GEMM (NO_DOT) off
+        if not q.endswith((NO_INT, NO_DOT)):
             return engine.step
+        switch = cpu_quant.int_gemm if q.endswith(NO_INT) else cpu_quant.bf16_dot
 
         def step():
-            with cpu_quant.int_gemm(False):
+            with switch(False):
                 engine.step()
         return step
 
     engines = {q: build(overrides[q], q, 64) for q in names}
     rng = random.Random(0)
 
-    def mixed(engine, q):
+    def mixed(engine, q, tokens):
         def step():  # the 64 decodes plus a fresh prompt (random tokens: no prefix-cache hit), prefilled in this step
-            prompt = [rng.randrange(1000, 49000) for _ in range(PREFILL)]
+            prompt = [rng.randrange(1000, 49000) for _ in range(tokens)]
             engine.add_request(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
             stepper(engine, q)()
         return step
 
     dtype = engines["none"].config.model.dtype
-    cases = {"decode, 64 rows": alternating({q: stepper(e, q) for q, e in engines.items()}, 8),
-             f"64 decodes + a {PREFILL}-token prefill": alternating({q: mixed(e, q) for q, e in engines.items()}, 4)}
+    cases = {"decode, 64 rows": alternating({q: stepper(e, q) for q, e in engines.items()}, 8)}
+    for tokens in PREFILLS:
+        cases[f"64 decodes + a {tokens}-token prefill"] = alternating(
+            {q: mixed(e, q, tokens) for q, e in engines.items()}, 4)
     del engines
     eights = {q: build(overrides[q], q, 8) for q in names}
     cases["decode, 8 rows"] = alternating({q: stepper(e, q) for q, e in eights.items()}, 20)
@@ -138,7 +143,8 @@ def main(argv=None) -> int:
           f"- engines: the default (continuous + paged, model.dtype=auto: {dtype}) on the embedded model, one "
           f"per quantizer (`none` is the unquantized model; `{NO_INT.strip()}`: stepped without the integer "
           f"GEMM, the weight dequantized to bf16 for each many-row call, as CPUs without AMX or AVX512-VNNI run it; "
-          f"`{NO_PACK.strip()}`: INT8 layers without their VNNI weight copy); "
+          f"`{NO_PACK.strip()}`: INT8 layers without their VNNI weight copy; `{NO_DOT.strip()}`: W8A16 without "
+          f"the bf16 dot GEMM, two INT8 part rows a row at any number of rows); "
           f"{ROUNDS} rounds, alternating\n"
           f"- made by `python -m benchmarks.quant_steps`\n\n" + "\n".join(rows) + "\n")
     write_report(args.out, md, {"machine": m, "rounds": ROUNDS, "cases": cases})

@@ -47,14 +47,14 @@ def new_plan(cos: torch.Tensor, sin: torch.Tensor, final_norm: torch.Tensor, num
            f"{quant_ns}::q4_matmul" if quant else "", f"{quant_ns}::q8_matmul" if quant else "",
            f"{ops_ns}::amx_linear" if amx_linear.ready() else ""]
     sizes = [num_heads, num_kv_heads, head_dim, intermediate, linear.gemv_rows(), cpu_quant.q4_gemv_rows(),
-             cpu_quant.q8_gemv_rows(), int(cpu_quant._int_gemm.on), linear.TILE_ROWS]
+             cpu_quant.q8_gemv_rows(), int(cpu_quant._int_gemm.on), linear.TILE_ROWS, int(cpu_quant._bf16_dot.on)]
     return load()(cos, sin, final_norm, sizes, float(eps), float(scale), ops)
 
 
 def settings() -> tuple:
     """The switches and thresholds a plan is built with: rebuild it when these change."""
     return (linear.gemv_rows(), linear._pack_weights.on, amx_linear.switch.on, cpu_ops._enabled.on, _forced.on,
-            cpu_quant.q4_gemv_rows(), cpu_quant.q8_gemv_rows(), cpu_quant._int_gemm.on)
+            cpu_quant.q4_gemv_rows(), cpu_quant.q8_gemv_rows(), cpu_quant._int_gemm.on, cpu_quant._bf16_dot.on)
 
 
 def unusable(dtype: torch.dtype) -> str | None:

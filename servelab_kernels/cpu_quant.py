@@ -36,6 +36,9 @@ the inner loop is integer dot products (AVX512-VNNI), scaled once per group or p
   out the weight at every call, which out of cache costs more than the products at decode sizes;
   Int8Linear keeps the weight also as `vpdpbusd` wants it and q8_matmul multiplies by it from 4
   rows up to 256 part rows (a row is 2 parts with 14-bit activations, 1 with INT8): the same sums.
+- From BF16_DOT_ROWS rows the packed copy is widened to bf16 a panel at a time (exact) and the rows
+  multiply by it on bf16 dot products (`q8_gemm_bf16`): two INT8 part rows a row lose to bf16's GEMM where
+  INT8 products run under 2x bf16's rate (Zen 4: about 1.5x). Twin: `q8_bf16_ref`.
 
 `q4_linear_ref` and `q8_linear_ref` are the torch twins with the same rounding (the tests hold
 the kernels to them within float summation order); the plain dequantize-and-multiply stays the
@@ -63,6 +66,7 @@ from servelab_kernels.dispatch import Switch
 
 GROUP = 32
 Q16 = 8191  # the INT8 kernel's activations: 14-bit integers, one scale a row
+BF16_DOT_ROWS = 64  # csrc's: from this many bf16 rows, W8A16 layers with a packed copy take q8_gemm_bf16
 A8 = 127  # W8A8 (quant.w8a8): 8-bit activations, one scale a row (token), one INT8 GEMM instead of two
 
 
@@ -86,6 +90,8 @@ def ops(portable: bool = False):
         if hasattr(getattr(torch.ops, ns), "q8_gemm_int"):
             torch.library.register_fake(f"{ns}::q8_gemm_int")(
                 lambda x, w, s, levels=Q16: x.new_empty(x.shape[0], w.shape[0]))
+        if hasattr(getattr(torch.ops, ns), "q8_gemm_bf16"):
+            torch.library.register_fake(f"{ns}::q8_gemm_bf16")(lambda x, p, s: x.new_empty(x.shape[0], p.shape[0] * 16))
         if hasattr(getattr(torch.ops, ns), "q8_gemm_vnni"):
             torch.library.register_fake(f"{ns}::q8_gemm_vnni")(
                 lambda x, p, s, levels=Q16: x.new_empty(x.shape[0], p.shape[0] * 16))
@@ -94,7 +100,7 @@ def ops(portable: bool = False):
         torch.library.register_fake(f"{ns}::q4_matmul")(
             lambda x, w, dm, rows, int_gemm: x.new_empty(x.shape[0], w.shape[0]))
         torch.library.register_fake(f"{ns}::q8_matmul")(
-            lambda x, w, s, rows, int_gemm, levels=Q16, packed=None: x.new_empty(x.shape[0], w.shape[0]))
+            lambda x, w, s, rows, int_gemm, levels=Q16, packed=None, bf16_dot=True: x.new_empty(x.shape[0], w.shape[0]))
     return getattr(torch.ops, ns)
 
 
@@ -213,6 +219,14 @@ def int_gemm(on: bool):
     return _int_gemm.set(on)
 
 
+_bf16_dot = Switch()
+
+
+def bf16_dot(on: bool):
+    """`with bf16_dot(False):` W8A16 rows keep the 14-bit integer GEMMs at any number of rows (A/B runs)."""
+    return _bf16_dot.set(on)
+
+
 def q8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, levels: int = Q16,
               packed: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ (q * scales).T: AMX tiles where amx_ready(), else the GEMV for up to q8_gemv_rows()
@@ -220,8 +234,9 @@ def q8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, levels: in
     over the weight dequantized for this call (`int_gemm(False)` turns both integer GEMMs off); one
     op either way, so a compiled graph does not branch (and recompile) on the number of rows.
     levels=A8 (W8A8): the activations as INT8, the GEMV and one INT8 GEMM of M rows; no float GEMM.
-    packed: q laid out by servelab_kernels.int8_pack, for the VNNI GEMM up to a few hundred rows."""
-    return ops().q8_matmul(x, q, scales, q8_gemv_rows(), _int_gemm.on, levels, packed)
+    packed: q laid out by servelab_kernels.int8_pack, for the VNNI GEMM up to a few hundred rows, and
+    for 14-bit activations from BF16_DOT_ROWS rows the bf16 dot GEMM over it (`bf16_dot(False)`: not)."""
+    return ops().q8_matmul(x, q, scales, q8_gemv_rows(), _int_gemm.on, levels, packed, _bf16_dot.on)
 
 
 def q4_1_groups(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int):
@@ -294,3 +309,8 @@ def q8_linear_ref(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, levels
     xq, amax = round_rows_ref(x, levels)
     isum = (xq.double() @ w.double().T).float()
     return (isum * (amax / levels) * scales.float()[None]).to(x.dtype)
+
+
+def q8_bf16_ref(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """`q8_gemm_bf16`'s twin: x times the INT8 weight, fp32 sums, each output scaled once, rounded."""
+    return ((x.float() @ w.float().T) * scales.float()[None]).to(x.dtype)

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from servelab_kernels import cpu_quant, int8_pack, linear
-from servelab_kernels.cpu_quant import A8, Q16, q8_linear_ref
+from servelab_kernels.cpu_quant import A8, BF16_DOT_ROWS, Q16, q8_bf16_ref, q8_linear_ref
 from servelab_kernels.quant import Int8Linear
 
 g = torch.Generator().manual_seed(3)
@@ -46,19 +46,52 @@ def test_the_packed_gemm_gives_the_gemvs_integer_sums(n, k, rows, levels):
     assert torch.equal(got, ops.q8_gemm_int(xb, w, scales, levels))  # oneDNN's GEMM over the plain weight
 
 
+def bf16_dot_built() -> bool:
+    return hasattr(cpu_quant.ops(), "q8_gemm_bf16")
+
+
+@pytest.mark.vnni
+@pytest.mark.parametrize("n, k", [(64, 36), (96, 576), (576, 1536), (32, 3000)])  # panels of 3 blocks, tails of 1, 2
+@pytest.mark.parametrize("rows", [1, 7, 8, 13, 100])  # register tiles of 8 rows and every remainder
+def test_the_bf16_dot_gemm_is_its_twin(n, k, rows):
+    if not bf16_dot_built():  # AVX512-VNNI without AVX512-BF16 (Ice Lake): the op is not built, nothing calls it
+        assert not hasattr(cpu_quant.ops(), "q8_gemm_bf16")
+        return
+    w, scales, x = case(n, k, rows)
+    xb = x.bfloat16()
+    got = cpu_quant.ops().q8_gemm_bf16(xb, int8_pack.pack_vnni(w), scales)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+    # the twin sums the same exact products in another order, in fp32: its result within one bf16
+    # rounding, plus fp32's summation error where the products cancel
+    want = q8_bf16_ref(xb, w, scales)
+    scale = (xb.float().abs() @ w.float().abs().T * scales.float()).amax()
+    torch.testing.assert_close(got.float(), want.float(), rtol=8e-3, atol=1e-5 * scale.item())
+    # finer than the 14-bit sums: closer to the exact product than the GEMV is
+    exact = (xb.double() @ w.double().T) * scales.double()
+    assert (got.double() - exact).abs().mean() <= (q8_linear_ref(xb, w, scales).double() - exact).abs().mean()
+
+
 @pytest.mark.vnni
 @pytest.mark.parametrize("levels", [Q16, A8])
 def test_q8_matmul_takes_the_packed_gemm_up_to_its_rows(levels):
     w, scales, _ = case(96, 128, 1)
     other = int8_pack.pack_vnni(torch.randint(-127, 128, (96, 128), generator=g, dtype=torch.int8))
     ops = cpu_quant.ops()
-    for rows in (12, 100, 200, 300):  # 200 rows of 14-bit activations are 400 part rows: past VNNI_ROWS
+    for rows in (12, BF16_DOT_ROWS - 1, BF16_DOT_ROWS, 100, 200, 300):  # 200 rows of 14-bit activations: 400 part rows
         x = torch.randn(rows, 128, generator=g).bfloat16()
         parts = 2 * rows if levels == Q16 else rows
         # handed another weight's copy, the op shows which GEMM ran
         got = cpu_quant.q8_matmul(x, w, scales, levels, other)
-        want = ops.q8_gemm_vnni(x, other, scales, levels) if parts <= 256 else ops.q8_gemm_int(x, w, scales, levels)
+        if levels == Q16 and rows >= BF16_DOT_ROWS and bf16_dot_built():
+            want = ops.q8_gemm_bf16(x, other, scales)
+        elif parts <= 256:
+            want = ops.q8_gemm_vnni(x, other, scales, levels)
+        else:
+            want = ops.q8_gemm_int(x, w, scales, levels)
         assert torch.equal(got, want), rows
+    x = torch.randn(100, 128, generator=g).bfloat16()
+    with cpu_quant.bf16_dot(False):  # off: the 14-bit GEMM of 200 part rows over the copy
+        assert torch.equal(cpu_quant.q8_matmul(x, w, scales, levels, other), ops.q8_gemm_vnni(x, other, scales, levels))
     with cpu_quant.int_gemm(False):  # off: no integer GEMM at all, packed or not
         x = torch.randn(40, 128, generator=g).bfloat16()
         assert not torch.equal(cpu_quant.q8_matmul(x, w, scales, levels, other), ops.q8_gemm_vnni(x, other, scales, levels))
@@ -84,13 +117,24 @@ def test_an_int8_layer_gives_the_same_outputs_with_and_without_its_packed_copy(a
     packed = Int8Linear.from_linear(lin, a8=a8)
     with int8_pack.packing(False):
         plain = Int8Linear.from_linear(lin, a8=a8)
-    for rows in (1, 9, 64, 200):
+    # from BF16_DOT_ROWS rows of 14-bit activations the packed copy multiplies exact bf16 activations
+    # (q8_gemm_bf16), where the plain weight keeps the 14-bit sums: there the packed side is its twin
+    finer = not a8 and packed.packed is not None and bf16_dot_built()
+    for rows in (1, 9, 63, 64, 200):
         x = torch.randn(rows, 576, generator=g).bfloat16()
-        assert torch.equal(packed(x), plain(x))
+        if finer and rows >= BF16_DOT_ROWS:
+            want = q8_bf16_ref(x, packed.weight_q, packed.scales) + packed.bias
+            torch.testing.assert_close(packed(x), want, rtol=8e-3, atol=2e-3)
+            torch.testing.assert_close(packed(x), plain(x), rtol=0.03, atol=0.02)  # 14-bit vs bf16 activations
+        else:
+            assert torch.equal(packed(x), plain(x)), rows
     fused = Int8Linear.concat([packed, packed])
     assert (fused.packed is not None) == (packed.packed is not None)
-    x = torch.randn(64, 576, generator=g).bfloat16()
+    x = torch.randn(32, 576, generator=g).bfloat16()
     assert torch.equal(fused(x), torch.cat([plain(x), plain(x)], dim=-1))
+    if finer:  # the fused copy is both copies' rows
+        x = torch.randn(64, 576, generator=g).bfloat16()
+        assert torch.equal(fused(x), torch.cat([packed(x), packed(x)], dim=-1))
 
 
 @pytest.mark.vnni
@@ -99,5 +143,6 @@ def test_the_packed_ops_trace_under_compile():
     p = int8_pack.pack_vnni(w)
     ops = cpu_quant.ops()
     for op, args in ((ops.q8_matmul, (x.bfloat16(), w, scales, 1, True, Q16, p)),
-                     (ops.q8_gemm_vnni, (x.bfloat16(), p, scales, A8)), (ops.q8_pack_vnni, (w,))):
+                     (ops.q8_gemm_vnni, (x.bfloat16(), p, scales, A8)), (ops.q8_pack_vnni, (w,)),
+                     *([(ops.q8_gemm_bf16, (x.bfloat16(), p, scales))] if bf16_dot_built() else [])):
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))

@@ -26,7 +26,7 @@ using WriteAndDecodeFn = at::Tensor(at::Tensor, at::Tensor, at::Tensor, at::Tens
                                     c10::optional<at::Tensor>);
 using Q4MatmulFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, bool);
 using Q8MatmulFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, bool, int64_t,
-                              const c10::optional<at::Tensor>&);
+                              const c10::optional<at::Tensor>&, bool);
 using AmxLinearFn = at::Tensor(at::Tensor, at::Tensor, int64_t, c10::optional<at::Tensor>);
 
 template <typename Fn>
@@ -65,7 +65,7 @@ struct Layer {
 
 struct DecodePlan : torch::CustomClassHolder {
   // sizes: [num_heads, num_kv_heads, head_dim, intermediate, gemv_rows, q4_gemv_rows, q8_gemv_rows, int_gemm,
-  // tile_rows]; ops: the qualified names of rms_norm, rotary, silu_mul, bf16_linear, the attention
+  // tile_rows, bf16_dot]; ops: the qualified names of rms_norm, rotary, silu_mul, bf16_linear, the attention
   // backend's write-and-decode, q4_matmul, q8_matmul (those two "" where cpu_quant did not build) and
   // amx_linear ("" where the build has no AMX tiles)
   DecodePlan(at::Tensor cos, at::Tensor sin, at::Tensor final_norm, std::vector<int64_t> sizes, double eps,
@@ -77,9 +77,10 @@ struct DecodePlan : torch::CustomClassHolder {
         bf16_linear_(op<Bf16LinearFn>(ops.at(3))),
         write_and_decode_(op<WriteAndDecodeFn>(ops.at(4))),
         linear_pointwise_(c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "")) {
-    TORCH_CHECK(sizes.size() == 9 && ops.size() == 8, "DecodePlan: 9 sizes and 8 ops");
+    TORCH_CHECK(sizes.size() == 10 && ops.size() == 8, "DecodePlan: 10 sizes and 8 ops");
     heads_ = sizes[0], kv_heads_ = sizes[1], head_dim_ = sizes[2], inter_ = sizes[3];
     gemv_rows_ = sizes[4], q4_rows_ = sizes[5], q8_rows_ = sizes[6], int_gemm_ = sizes[7] != 0, tile_rows_ = sizes[8];
+    bf16_dot_ = sizes[9] != 0;
     if (!ops[5].empty()) q4_matmul_ = op<Q4MatmulFn>(ops[5]);
     if (!ops[6].empty()) q8_matmul_ = op<Q8MatmulFn>(ops[6]);
     if (!ops[7].empty()) amx_linear_ = op<AmxLinearFn>(ops[7]);
@@ -159,7 +160,7 @@ struct DecodePlan : torch::CustomClassHolder {
         break;
       case INT8:
         y = q8_matmul_->call(x, lin.weight, lin.second, q8_rows_, int_gemm_, lin.levels,
-                             lin.packed.defined() ? c10::optional<at::Tensor>(lin.packed) : c10::nullopt);
+                             lin.packed.defined() ? c10::optional<at::Tensor>(lin.packed) : c10::nullopt, bf16_dot_);
         break;
       case TILES:
         if (lin.gemv && rows <= gemv_rows_) return bf16_linear_.call(x.stride(1) == 1 ? x : x.contiguous(), lin.weight);
@@ -195,6 +196,7 @@ struct DecodePlan : torch::CustomClassHolder {
   int64_t heads_ = 0, kv_heads_ = 0, head_dim_ = 0, inter_ = 0, gemv_rows_ = 0, q4_rows_ = 0, q8_rows_ = 0,
           tile_rows_ = 0;
   bool int_gemm_ = false;  // the integer GEMMs of cpu_quant.int_gemm
+  bool bf16_dot_ = true;   // W8A16's bf16 dot GEMM of cpu_quant.bf16_dot
   int64_t filled_ = 0;
   std::vector<Layer> layers_;
   c10::TypedOperatorHandle<RmsNormFn> rms_norm_;

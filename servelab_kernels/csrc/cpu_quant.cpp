@@ -1164,6 +1164,114 @@ bool amx_ready() {
 #endif
 }
 
+// ---- INT8 weights times bf16 rows on bf16 dot products (W8A16 steps of many rows) -------------
+//
+// With 14-bit activations the VNNI GEMM multiplies two INT8 part rows a row: on a Zen 4 its u8 x s8
+// products run 1.4-1.5x the rate of bf16's, so two of them lose to bf16's packed GEMM of the same
+// rows. An INT8 weight is exact in bf16 (integers to 256 are), so the same packed copy is turned
+// into bf16 pairs once a panel (16 x NR outputs, all K) per call and the rows multiply by it with
+// vdpbf16ps, summing in fp32, the row scale applied once at the end: bf16's own GEMM speed at half its
+// weight bytes. The products are exact, so the result differs from the 14-bit sums only by their
+// rounding (finer here); the twin is q8_bf16_ref.
+#if defined(SERVELAB_VNNI) && defined(__AVX512BF16__)
+#define SERVELAB_Q8_BF16 1
+namespace q8bf16 {
+
+constexpr int MR = 8;  // activation rows of a register tile: 8 x 3 accumulators, 3 weight vectors, 1 broadcast
+
+// One 16-output block of the VNNI layout (K/4 lines of 16 outputs x 4 inputs, stored w + 128) as
+// K/2 lines of 16 outputs x 2 inputs in bf16, the layout vdpbf16ps multiplies.
+inline void widen_block(const uint8_t* src, int64_t K, __m512i* dst) {
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  const __m512i off = _mm512_set1_epi16(128);
+  auto to_bf16 = [](__m512i w16) {  // 32 int16 -> 32 bf16, in order
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_castsi512_si256(w16)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64(w16, 1)));
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+  };
+  for (int64_t l = 0; l < K / 4; ++l) {
+    // outputs 0-7 and 8-15, each 4 inputs as int16: dword 2o is output o's inputs 0-1, 2o + 1 its 2-3
+    const __m512i a = _mm512_sub_epi16(_mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(src + l * 64))), off);
+    const __m512i b = _mm512_sub_epi16(_mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(src + l * 64 + 32))), off);
+    dst[2 * l] = to_bf16(_mm512_permutex2var_epi32(a, even, b));
+    dst[2 * l + 1] = to_bf16(_mm512_permutex2var_epi32(a, odd, b));
+  }
+}
+
+template <int R, int NR>
+inline void tile(const __m512i* wp, int64_t K, const at::BFloat16* a, const float* s, at::BFloat16* y, int64_t ldy) {
+  __m512 acc[R][NR];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_setzero_ps();
+  const int64_t lines = K / 2;
+  for (int64_t k = 0; k < lines; ++k) {
+    __m512bh wv[NR];
+    for (int j = 0; j < NR; ++j) wv[j] = (__m512bh)_mm512_load_si512(wp + j * lines + k);
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, a + r * K + 2 * k, 4);
+      const __m512bh av = (__m512bh)_mm512_set1_epi32(pair);
+      for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], wv[j], av);
+    }
+  }
+  for (int j = 0; j < NR; ++j) {
+    const __m512 sv = _mm512_loadu_ps(s + j * 16);
+    for (int r = 0; r < R; ++r)
+      _mm256_storeu_si256((__m256i*)(y + r * ldy + j * 16), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[r][j], sv)));
+  }
+}
+
+template <int NR>
+void panel(const __m512i* wp, int64_t M, int64_t K, const at::BFloat16* x, const float* s, at::BFloat16* y, int64_t N) {
+  int64_t m = 0;
+  for (; m + MR <= M; m += MR) tile<MR, NR>(wp, K, x + m * K, s, y + m * N, N);
+  switch (M - m) {
+    case 0: break;
+    case 1: tile<1, NR>(wp, K, x + m * K, s, y + m * N, N); break;
+    case 2: tile<2, NR>(wp, K, x + m * K, s, y + m * N, N); break;
+    case 3: tile<3, NR>(wp, K, x + m * K, s, y + m * N, N); break;
+    case 4: tile<4, NR>(wp, K, x + m * K, s, y + m * N, N); break;
+    case 5: tile<5, NR>(wp, K, x + m * K, s, y + m * N, N); break;
+    case 6: tile<6, NR>(wp, K, x + m * K, s, y + m * N, N); break;
+    default: tile<7, NR>(wp, K, x + m * K, s, y + m * N, N); break;
+  }
+}
+
+}  // namespace q8bf16
+
+// K must be even for bf16 pairs: q8_pack_vnni already asks a multiple of 4.
+torch::Tensor q8_gemm_bf16(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales) {
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 4 &&
+                  x.size(1) == packed.size(1) * 4 && packed.scalar_type() == torch::kByte && packed.is_contiguous(),
+              "q8_gemm_bf16: x [M, K], packed as q8_pack_vnni lays it out");
+  const int64_t M = x.size(0), K = x.size(1), blocks = packed.size(0), N = blocks * 16;
+  auto xb = x.to(torch::kBFloat16).contiguous();
+  auto y = torch::empty({M, N}, xb.options());
+  if (M == 0) return y.to(x.scalar_type());
+  const auto s = scales.to(torch::kFloat32).contiguous();
+  const float* sp = s.data_ptr<float>();
+  const uint8_t* wq = packed.data_ptr<uint8_t>();
+  const at::BFloat16* xp = xb.data_ptr<at::BFloat16>();
+  at::BFloat16* yp = y.data_ptr<at::BFloat16>();
+  constexpr int64_t NR = 3;
+  const int64_t panels = (blocks + NR - 1) / NR;  // the last may hold 1 or 2 blocks
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<__m512i> wide(NR * K / 2);  // one panel in bf16: NR blocks of K/2 lines
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t b0 = p * NR, nb = std::min(NR, blocks - b0);
+      for (int64_t j = 0; j < nb; ++j) q8bf16::widen_block(wq + (b0 + j) * 16 * K, K, wide.data() + j * K / 2);
+      const float* ps = sp + b0 * 16;
+      at::BFloat16* py = yp + b0 * 16;
+      if (nb == 3) q8bf16::panel<3>(wide.data(), M, K, xp, ps, py, N);
+      else if (nb == 2) q8bf16::panel<2>(wide.data(), M, K, xp, ps, py, N);
+      else q8bf16::panel<1>(wide.data(), M, K, xp, ps, py, N);
+    }
+  });
+  return y.to(x.scalar_type());
+}
+#endif
+
 // Whether q8_matmul takes the AMX GEMM: bf16 activations (fp32 ones keep the fp32 GEMM over the
 // dequantized weight, their precision), K a multiple of 64, N of 16.
 bool use_amx(const torch::Tensor& x, const torch::Tensor& w) {
@@ -1178,7 +1286,8 @@ bool use_amx(const torch::Tensor& x, const torch::Tensor& w) {
 // is fp32: an AVX2-only CPU runs bf16 GEMMs 8x slower than fp32).
 // Coarser activations (`levels` < 8191, W8A8) take the GEMV and the INT8 GEMMs only (one part row
 // a row), with those levels: no AMX split, and never a float GEMM, whose numbers would be another model's.
-// With a packed copy the GEMV serves up to VNNI_GEMV_ROWS rows only. On a 2-core Zen 4, each SmolLM2
+// With a packed copy the GEMV serves up to VNNI_GEMV_ROWS rows only, and from BF16_DOT_ROWS rows of
+// 14-bit activations the bf16 dot GEMM over it (exact bf16 activations: finer sums, not the GEMV's). On a 2-core Zen 4, each SmolLM2
 // shape, 30 distinct weights a round (medians of 5): the packed GEMM ran 0.9-1.0x the GEMV at 1 row
 // of 14-bit activations, 1.0-1.3x at 4, 1.2-1.8x at 8 (INT8 activations 1.0-1.2x at 1 row, 1.3-1.4x at
 // 4); against oneDNN's 1.2-1.8x at 32-64 part rows, 1.0-1.1x at 128-384, 1.0x at 512, 0.9-1.06x at
@@ -1186,19 +1295,29 @@ bool use_amx(const torch::Tensor& x, const torch::Tensor& w) {
 // alternating rounds) 64 decodes with a 192-token chunk ran 0.92x and 0.96x unpacked at 512 part
 // rows of 14-bit activations, and 1.10x with INT8 activations (256), hence 256.
 constexpr int64_t VNNI_ROWS = 256, VNNI_GEMV_ROWS = 3;
+// From this many bf16 rows of 14-bit activations the packed copy is multiplied on bf16 dot products
+// instead (q8_gemm_bf16, built with AVX512-BF16). The same 2-core Zen 4, SmolLM2's four layer shapes,
+// 6 distinct weights a round (medians of 15): 0.91x the split VNNI GEMM's speed at 32 rows, 1.01x at
+// 64, 1.07x at 128, 1.10x at 256, 1.16x at 512 (1.10-1.29x oneDNN's INT8 GEMM of 2M rows, 0.98-1.02x
+// bf16's packed GEMM of the same rows); the head 0.84x at 32 rows, 0.99-1.16x at 64-512.
+constexpr int64_t BF16_DOT_ROWS = 64;
 
 torch::Tensor q8_matmul(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales,
-                        int64_t gemv_rows, bool int_gemm, int64_t levels, const c10::optional<torch::Tensor>& packed) {
+                        int64_t gemv_rows, bool int_gemm, int64_t levels, const c10::optional<torch::Tensor>& packed,
+                        bool bf16_dot) {
   const int64_t rows = x.size(0);
 #ifdef SERVELAB_VNNI
   const bool int_rows = int_gemm && x.scalar_type() == torch::kBFloat16;
-  if (int_rows && packed.has_value() && packed->defined() && rows > std::min(gemv_rows, VNNI_GEMV_ROWS) &&
-      (levels == Q16 ? 2 * rows : rows) <= VNNI_ROWS) {
+  if (int_rows && packed.has_value() && packed->defined() && rows > std::min(gemv_rows, VNNI_GEMV_ROWS)) {
 #ifdef SERVELAB_AMX
-    if (levels != Q16 || !use_amx(x, w)) return q8_gemm_vnni(x, *packed, scales, levels);
+    const bool amx = levels == Q16 && use_amx(x, w);
 #else
-    return q8_gemm_vnni(x, *packed, scales, levels);
+    constexpr bool amx = false;
 #endif
+#ifdef SERVELAB_Q8_BF16
+    if (bf16_dot && !amx && levels == Q16 && rows >= BF16_DOT_ROWS) return q8_gemm_bf16(x, *packed, scales);
+#endif
+    if (!amx && (levels == Q16 ? 2 * rows : rows) <= VNNI_ROWS) return q8_gemm_vnni(x, *packed, scales, levels);
   }
 #endif
   if (levels != Q16) {
@@ -1227,7 +1346,7 @@ TORCH_LIBRARY(SERVELAB_NS, m) {
   m.def("q8_dequantize(Tensor w, Tensor scales) -> Tensor");
   m.def("q4_matmul(Tensor x, Tensor w, Tensor dm, int gemv_rows, bool int_gemm) -> Tensor");
   m.def("q8_matmul(Tensor x, Tensor w, Tensor scales, int gemv_rows, bool int_gemm, int levels=8191, "
-        "Tensor? packed=None) -> Tensor");
+        "Tensor? packed=None, bool bf16_dot=True) -> Tensor");
   m.def("portable() -> bool", &portable_build);
   m.def("amx_ready() -> bool", &amx_ready);
 #ifdef SERVELAB_AMX
@@ -1238,6 +1357,9 @@ TORCH_LIBRARY(SERVELAB_NS, m) {
   m.def("q4_gemm_int(Tensor x, Tensor w, Tensor dm) -> Tensor");
   m.def("q8_pack_vnni(Tensor w) -> Tensor");
   m.def("q8_gemm_vnni(Tensor x, Tensor packed, Tensor scales, int levels=8191) -> Tensor");
+#endif
+#ifdef SERVELAB_Q8_BF16
+  m.def("q8_gemm_bf16(Tensor x, Tensor packed, Tensor scales) -> Tensor");
 #endif
 }
 
@@ -1256,5 +1378,8 @@ TORCH_LIBRARY_IMPL(SERVELAB_NS, CPU, m) {
   m.impl("q4_gemm_int", &q4_gemm_int);
   m.impl("q8_pack_vnni", &q8_pack_vnni);
   m.impl("q8_gemm_vnni", &q8_gemm_vnni);
+#endif
+#ifdef SERVELAB_Q8_BF16
+  m.impl("q8_gemm_bf16", &q8_gemm_bf16);
 #endif
 }
