@@ -8,41 +8,49 @@ real engine steps of the default engine on the embedded model (bf16): 64 decodes
 fresh 512-token prompt prefilled in the step, 8 decodes (on AMX CPUs the packed GEMM's rows, the
 GEMV's where packing is off), rounds alternating between packed and plain weights
 (`servelab_kernels.linear.packing(False)`) on one engine. Writes reports/packed-linear/report.{md,json}.
+
+`--dot` (CPUs where servelab_kernels.dot_linear serves: AVX512-BF16, no AMX) sets the dot-product
+layout against what runs without it (`dot_linear.enabled(False)`): oneDNN's packed weights at 17-256
+rows, the GEMV at fewer (the engine steps of 8 rows and of batch 1).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 
 import torch
 
 from benchmarks.ab import alternating_rounds, write_report
 from benchmarks.profile_step import EAGER, decoding_engine
+from servelab_kernels import dot_linear
 from servelab_kernels.linear import Linear, packing, use_packed
 
 ROUNDS = 7
 SHAPES = {"qkv (960 x 576)": (960, 576), "o (576 x 576)": (576, 576), "gate/up (3072 x 576)": (3072, 576),
           "down (576 x 1536)": (576, 1536), "head (49152 x 576)": (49152, 576)}
 ROWS = (4, 8, 17, 64, 256)
+DOT_ROWS = (17, 32, 64, 128, 256)  # --dot: past the GEMV's rows, where the two GEMMs differ
+_baseline = [lambda: packing(False)]  # what the other side of each round runs under
 
 
 def alternate(step, n: int) -> dict:
-    r = alternating_rounds(step, n, ROUNDS, lambda: packing(False))
+    r = alternating_rounds(step, n, ROUNDS, _baseline[0])
     packed, plain, ratios = r["mine"], r["baseline"], r["ratios"]
     return {"packed_ms": statistics.median(packed) * 1e3, "plain_ms": statistics.median(plain) * 1e3,
             "speedup": statistics.median(ratios), "speedup_range": [min(ratios), max(ratios)], "calls_a_round": n}
 
 
-def shapes() -> dict:
+def shapes(rows_list=ROWS) -> dict:
     out = {}
     gen = torch.Generator().manual_seed(0)
     for name, (n, k) in SHAPES.items():
         layer = Linear(k, n, bias=False).requires_grad_(False)
         layer.weight.data = torch.randn(n, k, generator=gen).to(torch.bfloat16)
-        for rows in ROWS:
+        for rows in rows_list:
             x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
-            with packing(False):
+            with _baseline[0]():
                 plain = layer(x)
             case = alternate(lambda: layer(x), 50 if n < 10000 else 5)  # noqa: B023
             case["identical"] = bool(torch.equal(layer(x), plain))
@@ -50,10 +58,27 @@ def shapes() -> dict:
     return out
 
 
-def steps() -> dict:
+@contextlib.contextmanager
+def _dot_off(*engines):
+    """dot_linear off, also for these engines' steps (their backends set its switch around each step:
+    backend.dot_linear)."""
+    for e in engines:
+        e.backend.dot_linear = False
+    try:
+        with dot_linear.enabled(False):
+            yield
+    finally:
+        for e in engines:
+            e.backend.dot_linear = True
+
+
+def steps(dot: bool = False) -> dict:
     from core.engine.types import SamplingParams
 
-    engine = decoding_engine(EAGER, rows=64)
+    overrides = [] if dot else EAGER  # --dot: the default engine, its decode steps in the native plan
+    engine, eights = decoding_engine(overrides, rows=64), decoding_engine(overrides, rows=8)
+    if dot:
+        _baseline[0] = lambda: _dot_off(engine, eights)
     fresh = iter(range(10**6))
 
     def mixed():
@@ -63,12 +88,16 @@ def steps() -> dict:
 
     cases = {"decode, 64 rows": alternate(engine.step, 4), "64 decodes + a 512-token prefill": alternate(mixed, 2)}
     # 8 rows: on AMX CPUs the packed GEMM takes these from the GEMV (plain weights: the GEMV's 16 rows)
-    cases["decode, 8 rows"] = alternate(decoding_engine(EAGER, rows=8).step, 10)
+    cases["decode, 8 rows"] = alternate(eights.step, 10)
+    if dot:  # the dot products take every row count there: batch 1 too, from the GEMV
+        single = decoding_engine(overrides, rows=1)
+        _baseline[0] = lambda: _dot_off(single)
+        cases["decode, batch 1"] = alternate(single.step, 30)
     return cases
 
 
-def table(cases: dict, what: str) -> list[str]:
-    lines = [f"| {what} | plain weights, ms | packed, ms | speed-up (range over rounds) |", "|---|---|---|---|"]
+def table(cases: dict, what: str, sides=("plain weights", "packed")) -> list[str]:
+    lines = [f"| {what} | {sides[0]}, ms | {sides[1]}, ms | speed-up (range over rounds) |", "|---|---|---|---|"]
     for name, c in cases.items():
         same = "" if c.get("identical", True) else " (results differ)"
         lines.append(f"| {name} | {c['plain_ms']:.3f} | {c['packed_ms']:.3f} | {c['speedup']:.2f}x "
@@ -81,10 +110,15 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(prog="python -m benchmarks.packed_linear")
     ap.add_argument("--out", default="reports/packed-linear")
+    ap.add_argument("--dot", action="store_true", help="the dot-product layout against oneDNN's packed weights")
     args = ap.parse_args(argv)
     probe = torch.zeros(32, 8, dtype=torch.bfloat16)
     if not use_packed(probe, probe):
         raise SystemExit("oneDNN with bf16 support is not available in this torch build")
+    if args.dot:
+        if not dot_linear.ready():
+            raise SystemExit("servelab_kernels.dot_linear does not serve on this CPU (AVX512-BF16 without AMX)")
+        return dot_report(args.out)
     by_shape, by_step, m = shapes(), steps(), machine_info()
     md = ["# bf16 Linears through oneDNN's packed weights against F.linear", "",
           f"- machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['torch_threads']} threads)",
@@ -94,6 +128,24 @@ def main(argv=None) -> int:
           "the plain side is the GEMV, which sums in another order: tests/test_linear.py bounds both).", "",
           "## Engine steps (default engine, embedded model, bf16)", "", *table(by_step, "step"), ""]
     write_report(args.out, "\n".join(md), {"machine": m, "rounds": ROUNDS, "shapes": by_shape, "steps": by_step})
+    return 0
+
+
+def dot_report(out: str) -> int:
+    from core.bench.roofline import machine_info
+
+    _baseline[0] = lambda: dot_linear.enabled(False)
+    sides = ("without it (oneDNN's packed weights; the GEMV up to 16 rows)", "dot-product layout")
+    by_shape, by_step, m = shapes(DOT_ROWS), steps(dot=True), machine_info()
+    md = ["# bf16 Linears on dot products (servelab_kernels.dot_linear) against oneDNN's packed weights", "",
+          f"- machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['torch_threads']} threads)",
+          f"- {ROUNDS} rounds, alternating; made by `python -m benchmarks.packed_linear --dot`", "",
+          "## SmolLM2's shapes", "", *table(by_shape, "layer, rows", sides), "",
+          "The two sum in another order: results agree to a bf16 rounding (tests/test_dot_linear.py bounds both); "
+          "one weight a shape, so warm in cache.", "",
+          "## Engine steps (default engine, embedded model, bf16; decode-only steps in the native plan)", "",
+          *table(by_step, "step", sides), ""]
+    write_report(out, "\n".join(md), {"machine": m, "rounds": ROUNDS, "shapes": by_shape, "steps": by_step})
     return 0
 
 

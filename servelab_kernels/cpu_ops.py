@@ -12,8 +12,9 @@ and a pass over memory for a few kilobytes of work. Here each is one call and on
 - `argmax`: each row's first maximum, greedy sampling's pick (torch's `max(dim)` reads 64 bf16
   rows of 49,152 logits at about 5 GB/s on one thread).
 
-The same build holds the bf16 GEMV of few-row linears (csrc/cpu_gemv.cpp) and, on AMX CPUs, the bf16 GEMM
-on tiles of the steps above it (csrc/cpu_gemm_amx.cpp), both used by servelab_kernels.linear.
+The same build holds the bf16 GEMV of few-row linears (csrc/cpu_gemv.cpp) and the bf16 GEMMs of the
+steps above it: on AMX tiles (csrc/cpu_gemm_amx.cpp) or, on AVX512-BF16 CPUs without them, on dot
+products (csrc/cpu_gemm_dot.cpp), all used by servelab_kernels.linear.
 
 Each rounds every intermediate its torch twin stores in the model's dtype (servelab_kernels.norm,
 servelab_kernels.rotary, servelab_kernels.activation), so results match the twins exactly for rotary and to the
@@ -34,9 +35,10 @@ _enabled = Switch()
 
 def load():
     """The compiled module (built on first use, then cached per machine), or None if it cannot build."""
-    return build("cpu_ops", fast_math=False, parts=("cpu_gemv", "cpu_gemm_amx"), prelude=("cpu_amx",),
+    return build("cpu_ops", fast_math=False, parts=("cpu_gemv", "cpu_gemm_amx", "cpu_gemm_dot"),
+                 prelude=("cpu_amx", "cpu_bf16_tile"),
                  functions=["rms_norm", "rotary", "silu_mul", "argmax", "bf16_linear", "bf16_dot_native", "amx_pack",
-                            "amx_linear", "amx_linear_ready"])
+                            "amx_linear", "amx_linear_ready", "dot_linear", "dot_linear_ready"])
 
 
 def use_cpu_ops(*tensors: torch.Tensor | None) -> bool:

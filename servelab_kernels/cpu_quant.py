@@ -40,9 +40,9 @@ the inner loop is integer dot products (AVX512-VNNI), scaled once per group or p
   multiply by it on bf16 dot products (`q8_gemm_bf16`): two INT8 part rows a row lose to bf16's GEMM where
   INT8 products run under 2x bf16's rate (Zen 4: about 1.5x). Twin: `q8_bf16_ref`.
 
-`q4_linear_ref` and `q8_linear_ref` are the torch twins with the same rounding (the tests hold
-the kernels to them within float summation order); the plain dequantize-and-multiply stays the
-reference for accuracy.
+`q4_linear_ref`, `q8_linear_ref` and the others in servelab_kernels.cpu_quant_ref are the torch twins
+with the same rounding (the tests hold the kernels to them within float summation order); the plain
+dequantize-and-multiply stays the reference for accuracy.
 
 INT4 layout (`pack_q4`): per output row, the input groups of 32 as 16 bytes each (low nibbles =
 inputs 0..15 of the group, high nibbles = inputs 16..31), so one 64-byte load holds 4 groups whose
@@ -73,7 +73,7 @@ A8 = 127  # W8A8 (quant.w8a8): 8-bit activations, one scale a row (token), one I
 def ops(portable: bool = False):
     """The torch.ops namespace of the build (None if it did not build), its ops' shapes known to
     torch.compile's tracing."""
-    ns = build("cpu_quant", portable, fast_math=False, prelude=("cpu_amx",))  # x rounds to int8 exactly as its twin does
+    ns = build("cpu_quant", portable, fast_math=False, prelude=("cpu_amx", "cpu_bf16_tile"))  # x rounds to int8 exactly as its twin does
     if ns is None:
         return None
     if ns not in _faked:
@@ -257,60 +257,3 @@ def q4_matmul(x: torch.Tensor, nibbles: torch.Tensor, dm: torch.Tensor) -> torch
     else a GEMM in x's precision (bf16 unless x is fp32) over the weight dequantized for this call;
     one op for all, so a compiled graph does not branch (and recompile) on the number of rows."""
     return ops().q4_matmul(x, nibbles, dm, q4_gemv_rows(), _int_gemm.on)
-
-
-# ---- torch twins ------------------------------------------------------------------------------
-
-
-def quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (xq int8-valued float [M, K/32, 32], scale dx [M, K/32], exact sums sx [M, K/32])."""
-    xg = x.float().reshape(x.shape[0], -1, GROUP)
-    amax = xg.abs().amax(dim=-1)
-    # 127 / amax as the kernel divides (a scalar over a tensor is reciprocal-then-multiply in torch,
-    # an ulp off, which moves bf16 inputs at rounding ties to the other side)
-    inv = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
-    return torch.round(xg * inv[..., None]), amax / 127.0, xg.sum(dim=-1)
-
-
-def q4_linear_ref(x: torch.Tensor, nibbles: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
-    xq, dx, sx = quantize_rows_ref(x)
-    q, d, m = unpack_q4(nibbles, dm)
-    isum = torch.einsum("mgi,ngi->mng", xq.double(), q.reshape(q.shape[0], -1, GROUP).double()).float()
-    y = (isum * dx[:, None, :] * d[None]).sum(-1) + sx @ m.T
-    return y.to(x.dtype)
-
-
-def q4_gemm_ref(x: torch.Tensor, nibbles: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
-    """The INT4 GEMM's twin (`q4_gemm_int`): x to 14-bit integers per group of 32 (absmax / 8191),
-    exact integer group sums, scaled per group."""
-    xg = x.float().reshape(x.shape[0], -1, GROUP)
-    amax = xg.abs().amax(dim=-1)
-    inv = torch.where(amax > 0, torch.full_like(amax, Q16) / amax, torch.zeros_like(amax))  # as the kernel divides
-    xq = torch.round(xg * inv[..., None])
-    q, d, m = unpack_q4(nibbles, dm)
-    isum = torch.einsum("mgi,ngi->mng", xq.double(), q.reshape(q.shape[0], -1, GROUP).double()).float()
-    y = (isum * (amax / Q16)[:, None, :] * d[None]).sum(-1) + xg.sum(dim=-1) @ m.T
-    return y.to(x.dtype)
-
-
-def round_rows_ref(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row of x to integers of `levels` a side (one scale a row, half to even), as the INT8
-    kernels round: (integer-valued fp32 rows, each row's largest magnitude)."""
-    xf = x.float()
-    amax = xf.abs().amax(dim=-1, keepdim=True)
-    # levels / amax as the kernel divides (a scalar over a tensor is reciprocal-then-multiply in torch)
-    inv = torch.where(amax > 0, torch.full_like(amax, levels) / amax, torch.zeros_like(amax))
-    return torch.round(xf * inv), amax
-
-
-def q8_linear_ref(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor, levels: int = Q16) -> torch.Tensor:
-    """The INT8 kernel's twin: x to 14-bit integers with one scale a row (absmax / 8191), or to
-    INT8 (levels=A8: absmax / 127, W8A8)."""
-    xq, amax = round_rows_ref(x, levels)
-    isum = (xq.double() @ w.double().T).float()
-    return (isum * (amax / levels) * scales.float()[None]).to(x.dtype)
-
-
-def q8_bf16_ref(x: torch.Tensor, w: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """`q8_gemm_bf16`'s twin: x times the INT8 weight, fp32 sums, each output scaled once, rounded."""
-    return ((x.float() @ w.float().T) * scales.float()[None]).to(x.dtype)

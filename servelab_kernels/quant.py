@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from servelab_kernels import cpu_quant, int8_pack
+from servelab_kernels import cpu_quant, cpu_quant_ref, int8_pack
 from servelab_kernels.dispatch import use_triton
 
 INT4_INNER_K_TILES = 2  # the CPU packer's tiling: K must be a multiple of 16 * this
@@ -46,7 +46,7 @@ def int8_matmul_ref(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> t
 def w8a8_matmul_ref(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """W8A8 (dynamic, per token): each row of x to INT8 with its own scale (absmax / 127), the
     integer products summed exactly, then both scales."""
-    return cpu_quant.q8_linear_ref(x, q, scales, cpu_quant.A8)
+    return cpu_quant_ref.q8_linear_ref(x, q, scales, cpu_quant.A8)
 
 
 # Above this many rows aten's packed CPU kernel (a GEMV at heart: its time grows with the rows) loses

@@ -144,8 +144,10 @@ def test_a_plan_is_refused_a_linear_kind_it_does_not_know():
     plan.add_layer(torch.ones(16), torch.ones(16), torch.zeros(1), torch.zeros(1), None, None)
     with pytest.raises(RuntimeError, match="needs its op and its second tensor"):
         plan.add_linear(1, False, torch.zeros(24, 8, dtype=torch.uint8), None, None, None)
-    with pytest.raises(RuntimeError, match="a TILES layer amx_linear and its packed weight"):
+    with pytest.raises(RuntimeError, match="a TILES / DOT layer amx_linear / dot_linear and its packed weight"):
         plan.add_linear(cpu_decode.TILES, False, torch.zeros(24, 16), None, None, None)
+    with pytest.raises(RuntimeError, match="a TILES / DOT layer amx_linear / dot_linear and its packed weight"):
+        plan.add_linear(cpu_decode.DOT, False, torch.zeros(24, 16), None, None, None)
     with pytest.raises(RuntimeError, match="incomplete layers"):
         plan.forward(torch.zeros(1, 16), torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
                      torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long))
@@ -179,3 +181,34 @@ def test_backend_amx_linear_true_refuses_a_cpu_without_tiles(tiny_dirs, monkeypa
     monkeypatch.setattr(tb.amx_linear, "ready", lambda: False)
     with pytest.raises(ConfigError, match="backend.amx_linear=true multiplies bf16 on AMX tiles, and this CPU"):
         build([f"model.path={tiny_dirs['llama']}", "backend.amx_linear=true"])
+
+
+def test_backend_dot_linear_false_keeps_onednn_for_its_own_engine(tiny_dirs, monkeypatch):
+    """`backend.dot_linear=false` multiplies by oneDNN's packed weights in that engine's steps only,
+    an engine beside it keeps the dot-product layout (in its native decode plan too)."""
+    from servelab_kernels import amx_linear, cpu_ops, dot_linear
+
+    built = bool(cpu_ops.load().dot_linear_ready())  # the build has AVX512-BF16 tiles
+    monkeypatch.setattr(amx_linear, "_READY", False)  # the rule on any CPU: tiles first where they serve
+    monkeypatch.setattr(dot_linear, "_READY", built)
+    base = [f"model.path={tiny_dirs['llama']}", "model.dtype=bf16", "attention=cpu"]
+    if not built:
+        with pytest.raises(ConfigError, match="backend.dot_linear=true multiplies bf16 on AVX512-BF16 dot products"):
+            build(base + ["backend.dot_linear=true"])
+        return
+    off, on = build(base + ["backend.dot_linear=false"]), build(base + ["backend.dot_linear=true"])
+    a, _ = decode_logits(off, prompts(20))  # 20 rows: past the GEMV's 16
+    b, ran = decode_logits(on, prompts(20))
+    assert _layouts(off) == {"onednn"} and _layouts(on) == {"dot"} and dot_linear.switch.on
+    assert ran > 0  # the plan's DOT layers ran decode steps
+    for x, y in zip(a, b):  # the same sums in another order, bf16 roundings apart in every layer and step
+        assert torch.equal(x.argmax(-1), y.argmax(-1))  # the same greedy tokens on this tiny model
+        torch.testing.assert_close(x, y, rtol=0.02, atol=0.05)
+
+
+def test_backend_dot_linear_true_refuses_a_cpu_it_does_not_serve(tiny_dirs, monkeypatch):
+    import plugins.backends.torch_backend as tb
+
+    monkeypatch.setattr(tb.dot_linear, "ready", lambda: False)
+    with pytest.raises(ConfigError, match="backend.dot_linear=true multiplies bf16 on AVX512-BF16 dot products"):
+        build([f"model.path={tiny_dirs['llama']}", "backend.dot_linear=true"])

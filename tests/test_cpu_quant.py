@@ -7,15 +7,8 @@ from torch import nn
 
 from servelab_kernels import attention as ref_attention
 from servelab_kernels import cpu_attention, cpu_quant
-from servelab_kernels.cpu_quant import (
-    dequantize_q4_ref,
-    pack_q4,
-    q4_gemm_ref,
-    q4_linear_ref,
-    q8_linear_ref,
-    quantize_rows_ref,
-    unpack_q4,
-)
+from servelab_kernels.cpu_quant import dequantize_q4_ref, pack_q4, unpack_q4
+from servelab_kernels.cpu_quant_ref import q4_gemm_ref, q4_linear_ref, q8_linear_ref, quantize_rows_ref
 from servelab_kernels.quant import Int4Linear, Int8Linear
 
 g = torch.Generator().manual_seed(0)

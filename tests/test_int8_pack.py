@@ -6,7 +6,8 @@ import torch
 from torch import nn
 
 from servelab_kernels import cpu_quant, int8_pack, linear
-from servelab_kernels.cpu_quant import A8, BF16_DOT_ROWS, Q16, q8_bf16_ref, q8_linear_ref
+from servelab_kernels.cpu_quant import A8, BF16_DOT_ROWS, Q16
+from servelab_kernels.cpu_quant_ref import q8_bf16_ref, q8_linear_ref
 from servelab_kernels.quant import Int8Linear
 
 g = torch.Generator().manual_seed(3)

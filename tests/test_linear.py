@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from servelab_kernels import amx_linear, cpu_ops
+from servelab_kernels import amx_linear, cpu_ops, dot_linear
 from servelab_kernels import linear as lin
 
 GEN = torch.Generator().manual_seed(0)
@@ -53,6 +53,7 @@ def test_the_model_linear_takes_the_gemv_for_few_bf16_rows(monkeypatch):
     monkeypatch.setattr(lin, "_NATIVE", True)  # the dispatch rule, on any CPU kind
     monkeypatch.setattr(lin, "_AMX", False)  # (AMX CPUs: the tests at the end)
     monkeypatch.setattr(amx_linear, "_READY", False)
+    monkeypatch.setattr(dot_linear, "_READY", False)  # (where it serves it takes every row: tests/test_dot_linear.py)
     calls, original = [], lin.gemv
     monkeypatch.setattr(lin, "gemv", lambda x, w: calls.append(tuple(x.shape)) or original(x, w))
     layer = lin.Linear(64, 32, bias=False).bfloat16().requires_grad_(False)
@@ -196,6 +197,7 @@ def test_on_amx_the_gemv_keeps_three_rows_and_the_packed_gemm_takes_four(monkeyp
     monkeypatch.setattr(lin, "_NATIVE", True)
     monkeypatch.setattr(lin, "_AMX", True)
     monkeypatch.setattr(amx_linear, "_READY", False)  # oneDNN's packed weights (a build without amx_linear)
+    monkeypatch.setattr(dot_linear, "_READY", False)
     calls, original = [], lin.gemv
     monkeypatch.setattr(lin, "gemv", lambda x, w: calls.append(tuple(x.shape)) or original(x, w))
     layer = _packed_layer(96, 64, False)

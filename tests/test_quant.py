@@ -14,7 +14,7 @@ from plugins.quant.gguf import q4_blocks
 from plugins.quant.int4 import Int4QuantConfig, awq_scale
 from plugins.quant.int8 import Int8QuantConfig
 from servelab_kernels import cpu_quant
-from servelab_kernels.cpu_quant import q8_linear_ref
+from servelab_kernels.cpu_quant_ref import q8_linear_ref
 from servelab_kernels.quant import (
     Int4Linear,
     Int8Linear,

@@ -29,7 +29,8 @@ import torch
 from torch import nn
 
 from core.model.quantize import observe_linear_inputs
-from servelab_kernels.cpu_quant import A8, round_rows_ref
+from servelab_kernels.cpu_quant import A8
+from servelab_kernels.cpu_quant_ref import round_rows_ref
 from servelab_kernels.quant import quantize_int8
 
 ALPHAS = tuple(i / 10 for i in range(11))

@@ -5,13 +5,15 @@ On CUDA, decode-only steps replay CUDA graphs captured at start-up, one per batc
 `cuda_graphs` capability, such as `triton`). Steps with a prefill chunk run eagerly.
 On the CPU, decode-only steps run as one C++ call (`backend.native_decode`, on where it applies:
 core/model/decode_plan.py), the same kernels as the eager forward without Python between them, and
-on CPUs with AMX-BF16 tiles bf16 linears multiply on them (`backend.amx_linear`, on where it applies).
+on CPUs with AMX-BF16 tiles bf16 linears multiply on them (`backend.amx_linear`, on where it applies),
+on AVX512-BF16 CPUs without them on bf16 dot products over a copy packed for them (`backend.dot_linear`).
 With `backend.compile=true` the forward of every other step runs through torch.compile (see
 plugins/backends/compiled.py): off by default, as the first steps pay its compile time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -32,7 +34,7 @@ from core.api import (
 )
 from plugins.backends.compiled import CompiledForward
 from plugins.backends.cuda_graphs import DecodeGraphs
-from servelab_kernels import amx_linear
+from servelab_kernels import amx_linear, dot_linear
 
 log = logging.getLogger("servelab")
 
@@ -47,6 +49,9 @@ class TorchBackendConfig(BackendConfig):
     # bf16 linears on AMX tiles (servelab_kernels/linear.py, csrc/cpu_gemm_amx.cpp). None: where the CPU
     # has AMX-BF16 tiles; true: refuse to start where it has none; false: oneDNN's packed weights
     amx_linear: bool | None = None
+    # bf16 linears on bf16 dot products (servelab_kernels/dot_linear.py). None: where the CPU has AVX512-BF16
+    # and no AMX; true: refuse to start elsewhere; false: oneDNN's packed weights
+    dot_linear: bool | None = None
 
 
 class TorchBackend:
@@ -75,6 +80,11 @@ class TorchBackend:
             raise ConfigError("backend.amx_linear=true multiplies bf16 on AMX tiles, and this "
                               f"{'CPU (or its build)' if device.type == 'cpu' else 'device'} has none")
         self.amx_linear = config.amx_linear is not False  # (scoped to this engine's steps: see execute)
+        if config.dot_linear and not (device.type == "cpu" and dot_linear.ready()):
+            raise ConfigError("backend.dot_linear=true multiplies bf16 on AVX512-BF16 dot products where the CPU has "
+                              "no AMX tiles, and this "
+                              f"{'CPU (or its build)' if device.type == 'cpu' else 'device'} does not")
+        self.dot_linear = config.dot_linear is not False
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self.kv_caches = self.attention.allocate_kv_cache(num_blocks, block_size, self.spec, self.device)
@@ -86,7 +96,7 @@ class TorchBackend:
             log.info("captured %d CUDA graphs of decode steps (batch sizes %s) in %.1f s", len(self.graphs.sizes),
                      self.graphs.sizes, time.perf_counter() - t0)
         if self.native_wanted:
-            with amx_linear.enabled(self.amx_linear):  # the plan's layers take their packed copies in this engine's layout
+            with self._layouts():  # the plan's layers take their packed copies in this engine's layout
                 self._native_decode()
 
     def _native_decode(self) -> None:
@@ -107,8 +117,14 @@ class TorchBackend:
 
     @torch.inference_mode()
     def execute(self, batch: ModelInput) -> torch.Tensor:
-        with amx_linear.enabled(self.amx_linear):  # a process-wide switch, set for this engine's step only
+        with self._layouts():  # process-wide switches, set for this engine's step only
             return self._execute(batch)
+
+    @contextlib.contextmanager
+    def _layouts(self):
+        """This engine's packed-weight layouts (amx_linear, dot_linear), set while it runs a step."""
+        with amx_linear.enabled(self.amx_linear), dot_linear.enabled(self.dot_linear):
+            yield
 
     def _execute(self, batch: ModelInput) -> torch.Tensor:
         if self.graphs is not None and self.graphs.fits(batch):

@@ -1171,13 +1171,11 @@ bool amx_ready() {
 // rows. An INT8 weight is exact in bf16 (integers to 256 are), so the same packed copy is turned
 // into bf16 pairs once a panel (16 x NR outputs, all K) per call and the rows multiply by it with
 // vdpbf16ps, summing in fp32, the row scale applied once at the end: bf16's own GEMM speed at half its
-// weight bytes. The products are exact, so the result differs from the 14-bit sums only by their
-// rounding (finer here); the twin is q8_bf16_ref.
-#if defined(SERVELAB_VNNI) && defined(__AVX512BF16__)
+// weight bytes (register tiles: csrc/cpu_bf16_tile.cpp). The products are exact, so the result
+// differs from the 14-bit sums only by their rounding (finer here); the twin is q8_bf16_ref.
+#if defined(SERVELAB_VNNI) && defined(SERVELAB_BF16_TILES)
 #define SERVELAB_Q8_BF16 1
 namespace q8bf16 {
-
-constexpr int MR = 8;  // activation rows of a register tile: 8 x 3 accumulators, 3 weight vectors, 1 broadcast
 
 // One 16-output block of the VNNI layout (K/4 lines of 16 outputs x 4 inputs, stored w + 128) as
 // K/2 lines of 16 outputs x 2 inputs in bf16, the layout vdpbf16ps multiplies.
@@ -1199,45 +1197,6 @@ inline void widen_block(const uint8_t* src, int64_t K, __m512i* dst) {
   }
 }
 
-template <int R, int NR>
-inline void tile(const __m512i* wp, int64_t K, const at::BFloat16* a, const float* s, at::BFloat16* y, int64_t ldy) {
-  __m512 acc[R][NR];
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_setzero_ps();
-  const int64_t lines = K / 2;
-  for (int64_t k = 0; k < lines; ++k) {
-    __m512bh wv[NR];
-    for (int j = 0; j < NR; ++j) wv[j] = (__m512bh)_mm512_load_si512(wp + j * lines + k);
-    for (int r = 0; r < R; ++r) {
-      int32_t pair;
-      std::memcpy(&pair, a + r * K + 2 * k, 4);
-      const __m512bh av = (__m512bh)_mm512_set1_epi32(pair);
-      for (int j = 0; j < NR; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], wv[j], av);
-    }
-  }
-  for (int j = 0; j < NR; ++j) {
-    const __m512 sv = _mm512_loadu_ps(s + j * 16);
-    for (int r = 0; r < R; ++r)
-      _mm256_storeu_si256((__m256i*)(y + r * ldy + j * 16), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[r][j], sv)));
-  }
-}
-
-template <int NR>
-void panel(const __m512i* wp, int64_t M, int64_t K, const at::BFloat16* x, const float* s, at::BFloat16* y, int64_t N) {
-  int64_t m = 0;
-  for (; m + MR <= M; m += MR) tile<MR, NR>(wp, K, x + m * K, s, y + m * N, N);
-  switch (M - m) {
-    case 0: break;
-    case 1: tile<1, NR>(wp, K, x + m * K, s, y + m * N, N); break;
-    case 2: tile<2, NR>(wp, K, x + m * K, s, y + m * N, N); break;
-    case 3: tile<3, NR>(wp, K, x + m * K, s, y + m * N, N); break;
-    case 4: tile<4, NR>(wp, K, x + m * K, s, y + m * N, N); break;
-    case 5: tile<5, NR>(wp, K, x + m * K, s, y + m * N, N); break;
-    case 6: tile<6, NR>(wp, K, x + m * K, s, y + m * N, N); break;
-    default: tile<7, NR>(wp, K, x + m * K, s, y + m * N, N); break;
-  }
-}
-
 }  // namespace q8bf16
 
 // K must be even for bf16 pairs: q8_pack_vnni already asks a multiple of 4.
@@ -1254,18 +1213,14 @@ torch::Tensor q8_gemm_bf16(const torch::Tensor& x, const torch::Tensor& packed, 
   const uint8_t* wq = packed.data_ptr<uint8_t>();
   const at::BFloat16* xp = xb.data_ptr<at::BFloat16>();
   at::BFloat16* yp = y.data_ptr<at::BFloat16>();
-  constexpr int64_t NR = 3;
+  constexpr int64_t NR = bf16tile::NR;
   const int64_t panels = (blocks + NR - 1) / NR;  // the last may hold 1 or 2 blocks
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     std::vector<__m512i> wide(NR * K / 2);  // one panel in bf16: NR blocks of K/2 lines
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t b0 = p * NR, nb = std::min(NR, blocks - b0);
       for (int64_t j = 0; j < nb; ++j) q8bf16::widen_block(wq + (b0 + j) * 16 * K, K, wide.data() + j * K / 2);
-      const float* ps = sp + b0 * 16;
-      at::BFloat16* py = yp + b0 * 16;
-      if (nb == 3) q8bf16::panel<3>(wide.data(), M, K, xp, ps, py, N);
-      else if (nb == 2) q8bf16::panel<2>(wide.data(), M, K, xp, ps, py, N);
-      else q8bf16::panel<1>(wide.data(), M, K, xp, ps, py, N);
+      bf16tile::panel(wide.data(), nb, M, K, xp, sp + b0 * 16, nullptr, yp + b0 * 16, N);
     }
   });
   return y.to(x.scalar_type());
