@@ -32,17 +32,17 @@ SHAPES = {"qkv (960 x 576)": (960, 576), "o (576 x 576)": (576, 576), "gate/up (
           "down (576 x 1536)": (576, 1536), "head (49152 x 576)": (49152, 576)}
 ROWS = (4, 8, 17, 64, 256)
 DOT_ROWS = (17, 32, 64, 128, 256)  # --dot: past the GEMV's rows, where the two GEMMs differ
-_baseline = [lambda: packing(False)]  # what the other side of each round runs under
 
 
-def alternate(step, n: int) -> dict:
-    r = alternating_rounds(step, n, ROUNDS, _baseline[0])
+def alternate(step, n: int, baseline=lambda: packing(False)) -> dict:
+    """`step` as it is against `step` inside `baseline()` (what the other side of each round runs under)."""
+    r = alternating_rounds(step, n, ROUNDS, baseline)
     packed, plain, ratios = r["mine"], r["baseline"], r["ratios"]
     return {"packed_ms": statistics.median(packed) * 1e3, "plain_ms": statistics.median(plain) * 1e3,
             "speedup": statistics.median(ratios), "speedup_range": [min(ratios), max(ratios)], "calls_a_round": n}
 
 
-def shapes(rows_list=ROWS) -> dict:
+def shapes(rows_list=ROWS, baseline=lambda: packing(False)) -> dict:
     out = {}
     gen = torch.Generator().manual_seed(0)
     for name, (n, k) in SHAPES.items():
@@ -50,9 +50,9 @@ def shapes(rows_list=ROWS) -> dict:
         layer.weight.data = torch.randn(n, k, generator=gen).to(torch.bfloat16)
         for rows in rows_list:
             x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
-            with _baseline[0]():
+            with baseline():
                 plain = layer(x)
-            case = alternate(lambda: layer(x), 50 if n < 10000 else 5)  # noqa: B023
+            case = alternate(lambda: layer(x), 50 if n < 10000 else 5, baseline)  # noqa: B023
             case["identical"] = bool(torch.equal(layer(x), plain))
             out[f"{name}, {rows} rows"] = case
     return out
@@ -77,8 +77,7 @@ def steps(dot: bool = False) -> dict:
 
     overrides = [] if dot else EAGER  # --dot: the default engine, its decode steps in the native plan
     engine, eights = decoding_engine(overrides, rows=64), decoding_engine(overrides, rows=8)
-    if dot:
-        _baseline[0] = lambda: _dot_off(engine, eights)
+    baseline = (lambda: _dot_off(engine, eights)) if dot else (lambda: packing(False))
     fresh = iter(range(10**6))
 
     def mixed():
@@ -86,13 +85,13 @@ def steps(dot: bool = False) -> dict:
         engine.add_request(list(range(first, first + 512)), SamplingParams(max_tokens=1, ignore_eos=True))
         engine.step()
 
-    cases = {"decode, 64 rows": alternate(engine.step, 4), "64 decodes + a 512-token prefill": alternate(mixed, 2)}
+    cases = {"decode, 64 rows": alternate(engine.step, 4, baseline),
+             "64 decodes + a 512-token prefill": alternate(mixed, 2, baseline)}
     # 8 rows: on AMX CPUs the packed GEMM takes these from the GEMV (plain weights: the GEMV's 16 rows)
-    cases["decode, 8 rows"] = alternate(eights.step, 10)
+    cases["decode, 8 rows"] = alternate(eights.step, 10, baseline)
     if dot:  # the dot products take every row count there: batch 1 too, from the GEMV
         single = decoding_engine(overrides, rows=1)
-        _baseline[0] = lambda: _dot_off(single)
-        cases["decode, batch 1"] = alternate(single.step, 30)
+        cases["decode, batch 1"] = alternate(single.step, 30, lambda: _dot_off(single))
     return cases
 
 
@@ -134,9 +133,8 @@ def main(argv=None) -> int:
 def dot_report(out: str) -> int:
     from core.bench.roofline import machine_info
 
-    _baseline[0] = lambda: dot_linear.enabled(False)
     sides = ("without it (oneDNN's packed weights; the GEMV up to 16 rows)", "dot-product layout")
-    by_shape, by_step, m = shapes(DOT_ROWS), steps(dot=True), machine_info()
+    by_shape, by_step, m = shapes(DOT_ROWS, lambda: dot_linear.enabled(False)), steps(dot=True), machine_info()
     md = ["# bf16 Linears on dot products (servelab_kernels.dot_linear) against oneDNN's packed weights", "",
           f"- machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['torch_threads']} threads)",
           f"- {ROUNDS} rounds, alternating; made by `python -m benchmarks.packed_linear --dot`", "",

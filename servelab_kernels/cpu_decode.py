@@ -53,8 +53,9 @@ def new_plan(cos: torch.Tensor, sin: torch.Tensor, final_norm: torch.Tensor, num
 
 def settings() -> tuple:
     """The switches and thresholds a plan is built with: rebuild it when these change."""
-    return (linear.gemv_rows(), linear._pack_weights.on, amx_linear.switch.on, dot_linear.switch.on, cpu_ops._enabled.on, _forced.on,
-            cpu_quant.q4_gemv_rows(), cpu_quant.q8_gemv_rows(), cpu_quant._int_gemm.on, cpu_quant._bf16_dot.on)
+    return (linear.gemv_rows(), linear._pack_weights.on, amx_linear.switch.on, dot_linear.switch.on,
+            cpu_ops._enabled.on, _forced.on, cpu_quant.q4_gemv_rows(), cpu_quant.q8_gemv_rows(),
+            cpu_quant._int_gemm.on, cpu_quant._bf16_dot.on)
 
 
 def unusable(dtype: torch.dtype) -> str | None:
@@ -76,10 +77,10 @@ def linear_spec(mod: nn.Module, dtype: torch.dtype) -> tuple | None:
             return None
         probe = w.new_empty(1, w.shape[1])  # the eager tests look at x's dtype and width only
         packed = mod.packed_weight() if linear.use_packed(probe, w) else None
-        if packed is not None and dot_linear.use(w):
+        layout = linear._layout(w) if packed is not None else None  # the copy the eager Linear takes
+        if layout == "dot":
             return DOT, False, w, None, packed, bias  # the eager Linear takes the dot products at every row count
-        kind = TILES if packed is not None and amx_linear.use(w) else DENSE
-        return kind, linear.use_gemv(probe, w, bias), w, None, packed, bias
+        return TILES if layout == "tiles" else DENSE, linear.use_gemv(probe, w, bias), w, None, packed, bias
     if type(mod) is Int4Linear:
         if mod.layout != "cpu_q4" or mod.input_scale is not None or mod.padded_in != mod.in_features:
             return None

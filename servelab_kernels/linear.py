@@ -143,7 +143,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     `amx_linear.use`s it, on dot products where `dot_linear.use`s it, oneDNN's GEMM elsewhere."""
     if torch.compiler.is_compiling():  # first: a test on the number of rows would guard on it in the graph
         return _graph_linear(x, weight, bias)
-    if packed is not None and use_packed(x, weight) and _layout(weight) == "dot":
+    layout = _layout(weight) if packed is not None and use_packed(x, weight) else None
+    if layout == "dot":
         packed_weight = packed()  # the dot products win from one row on (dot_linear's docstring)
         if packed_weight is not None:
             return dot_linear.linear(x, packed_weight, bias)
@@ -152,10 +153,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if rows.stride(-1) != 1:
             rows = rows.contiguous()
         return gemv(rows, weight).view(*x.shape[:-1], weight.shape[0])
-    if packed is not None and use_packed(x, weight):
+    if layout in ("onednn", "tiles"):
         packed_weight = packed()
         if packed_weight is not None:
-            layout = _layout(weight)
             if layout == "onednn":
                 return packed_linear(x, packed_weight, bias)
             if x.numel() <= TILE_ROWS * x.shape[-1]:

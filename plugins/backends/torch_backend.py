@@ -54,6 +54,14 @@ class TorchBackendConfig(BackendConfig):
     dot_linear: bool | None = None
 
 
+def _cpu_layout(wanted: bool | None, ready, device: torch.device, what: str, lacking: str) -> bool:
+    """Whether an engine's bf16 linears take a CPU packed layout (`backend.amx_linear`, `backend.dot_linear`):
+    None and true take it where `ready()`, false never; true refuses to start where it is not ready."""
+    if wanted and not (device.type == "cpu" and ready()):
+        raise ConfigError(f"{what}, and this {'CPU (or its build)' if device.type == 'cpu' else 'device'} {lacking}")
+    return wanted is not False
+
+
 class TorchBackend:
     config_class = TorchBackendConfig
 
@@ -76,15 +84,12 @@ class TorchBackend:
         if config.native_decode and device.type != "cpu":
             raise ConfigError(f"backend.native_decode=true runs decode steps on the CPU; the model is on {device}")
         self.native_required = bool(config.native_decode)
-        if config.amx_linear and not (device.type == "cpu" and amx_linear.ready()):
-            raise ConfigError("backend.amx_linear=true multiplies bf16 on AMX tiles, and this "
-                              f"{'CPU (or its build)' if device.type == 'cpu' else 'device'} has none")
-        self.amx_linear = config.amx_linear is not False  # (scoped to this engine's steps: see execute)
-        if config.dot_linear and not (device.type == "cpu" and dot_linear.ready()):
-            raise ConfigError("backend.dot_linear=true multiplies bf16 on AVX512-BF16 dot products where the CPU has "
-                              "no AMX tiles, and this "
-                              f"{'CPU (or its build)' if device.type == 'cpu' else 'device'} does not")
-        self.dot_linear = config.dot_linear is not False
+        # each on unless set false, scoped to this engine's steps (see execute); true refuses a device without it
+        self.amx_linear = _cpu_layout(config.amx_linear, amx_linear.ready, device,
+                                      "backend.amx_linear=true multiplies bf16 on AMX tiles", "has none")
+        self.dot_linear = _cpu_layout(config.dot_linear, dot_linear.ready, device,
+                                      "backend.dot_linear=true multiplies bf16 on AVX512-BF16 dot products where "
+                                      "the CPU has no AMX tiles", "does not")
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self.kv_caches = self.attention.allocate_kv_cache(num_blocks, block_size, self.spec, self.device)

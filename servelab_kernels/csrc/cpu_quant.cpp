@@ -1242,8 +1242,8 @@ bool use_amx(const torch::Tensor& x, const torch::Tensor& w) {
 // Coarser activations (`levels` < 8191, W8A8) take the GEMV and the INT8 GEMMs only (one part row
 // a row), with those levels: no AMX split, and never a float GEMM, whose numbers would be another model's.
 // With a packed copy the GEMV serves up to VNNI_GEMV_ROWS rows only, and from BF16_DOT_ROWS rows of
-// 14-bit activations the bf16 dot GEMM over it (exact bf16 activations: finer sums, not the GEMV's). On a 2-core Zen 4, each SmolLM2
-// shape, 30 distinct weights a round (medians of 5): the packed GEMM ran 0.9-1.0x the GEMV at 1 row
+// 14-bit activations the bf16 dot GEMM over it (exact bf16 activations: finer sums, not the GEMV's).
+// On a 2-core Zen 4, each SmolLM2 shape, 30 distinct weights a round (medians of 5): the packed GEMM ran 0.9-1.0x the GEMV at 1 row
 // of 14-bit activations, 1.0-1.3x at 4, 1.2-1.8x at 8 (INT8 activations 1.0-1.2x at 1 row, 1.3-1.4x at
 // 4); against oneDNN's 1.2-1.8x at 32-64 part rows, 1.0-1.1x at 128-384, 1.0x at 512, 0.9-1.06x at
 // 768; the head (49,152 x 576) 1.2-2.3x oneDNN's at 1-128 rows. In engine steps (medians of 9
