@@ -11,7 +11,10 @@ GEMV's where packing is off), rounds alternating between packed and plain weight
 
 `--dot` (CPUs where servelab_kernels.dot_linear serves: AVX512-BF16, no AMX) sets the dot-product
 layout against what runs without it (`dot_linear.enabled(False)`): oneDNN's packed weights at 17-256
-rows, the GEMV at fewer (the engine steps of 8 rows and of batch 1).
+rows, the GEMV at fewer (the engine steps of 8 rows and of batch 1). `--fp32` (CPUs where
+servelab_kernels.fp32_linear serves: AVX2, no AVX-512) sets its FMA tiles against F.linear on the plain
+fp32 weights at 1-256 rows, in an engine with `model.dtype=fp32`. Their shape table holds 8 distinct
+weights a shape (the head: 1), so few-row calls stream weights from memory as a model's do.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch
 
 from benchmarks.ab import alternating_rounds, write_report
 from benchmarks.profile_step import EAGER, decoding_engine
-from servelab_kernels import dot_linear
+from servelab_kernels import dot_linear, fp32_linear
 from servelab_kernels.linear import Linear, packing, use_packed
 
 ROUNDS = 7
@@ -32,6 +35,15 @@ SHAPES = {"qkv (960 x 576)": (960, 576), "o (576 x 576)": (576, 576), "gate/up (
           "down (576 x 1536)": (576, 1536), "head (49152 x 576)": (49152, 576)}
 ROWS = (4, 8, 17, 64, 256)
 DOT_ROWS = (17, 32, 64, 128, 256)  # --dot: past the GEMV's rows, where the two GEMMs differ
+# --dot / --fp32: (module, the backend's attribute, weights' dtype, the engine's overrides, rows, title, the other side)
+LAYOUTS = {
+    "dot": (dot_linear, "dot_linear", torch.bfloat16, [], DOT_ROWS, "bf16 Linears on dot products "
+            "(servelab_kernels.dot_linear) against oneDNN's packed weights", "AVX512-BF16 without AMX",
+            "without it (oneDNN's packed weights; the GEMV up to 16 rows)", "dot-product layout"),
+    "fp32": (fp32_linear, "fp32_linear", torch.float32, ["model.dtype=fp32"], (1, 4, 8, 16, 32, 64, 128, 256),
+             "fp32 Linears on AVX2 FMA tiles (servelab_kernels.fp32_linear) against F.linear", "AVX2 without AVX-512",
+             "F.linear (plain weights)", "FMA tiles"),
+}
 
 
 def alternate(step, n: int, baseline=lambda: packing(False)) -> dict:
@@ -42,42 +54,50 @@ def alternate(step, n: int, baseline=lambda: packing(False)) -> dict:
             "speedup": statistics.median(ratios), "speedup_range": [min(ratios), max(ratios)], "calls_a_round": n}
 
 
-def shapes(rows_list=ROWS, baseline=lambda: packing(False)) -> dict:
+def shapes(rows_list=ROWS, baseline=lambda: packing(False), dtype=torch.bfloat16, distinct: int = 1) -> dict:
+    """Each shape at each number of rows; `distinct` weights a shape called in turn (the head: one)."""
     out = {}
     gen = torch.Generator().manual_seed(0)
     for name, (n, k) in SHAPES.items():
-        layer = Linear(k, n, bias=False).requires_grad_(False)
-        layer.weight.data = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+        layers = [Linear(k, n, bias=False).requires_grad_(False) for _ in range(distinct if n < 10000 else 1)]
+        for layer in layers:
+            layer.weight.data = torch.randn(n, k, generator=gen).to(dtype)
         for rows in rows_list:
-            x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+            x = torch.randn(rows, k, generator=gen).to(dtype)
             with baseline():
-                plain = layer(x)
-            case = alternate(lambda: layer(x), 50 if n < 10000 else 5, baseline)  # noqa: B023
-            case["identical"] = bool(torch.equal(layer(x), plain))
+                plain = [layer(x) for layer in layers]
+
+            def call():
+                return [layer(x) for layer in layers]  # noqa: B023
+
+            case = alternate(call, max(1, 50 // len(layers)) if n < 10000 else 5, baseline)
+            case["identical"] = all(torch.equal(a, b) for a, b in zip(call(), plain))
             out[f"{name}, {rows} rows"] = case
     return out
 
 
 @contextlib.contextmanager
-def _dot_off(*engines):
-    """dot_linear off, also for these engines' steps (their backends set its switch around each step:
-    backend.dot_linear)."""
+def _layout_off(layout: str, *engines):
+    """LAYOUTS[layout] off, also for these engines' steps (their backends set its switch around each
+    step: backend.dot_linear, backend.fp32_linear)."""
+    module, attr = LAYOUTS[layout][:2]
     for e in engines:
-        e.backend.dot_linear = False
+        setattr(e.backend, attr, False)
     try:
-        with dot_linear.enabled(False):
+        with module.enabled(False):
             yield
     finally:
         for e in engines:
-            e.backend.dot_linear = True
+            setattr(e.backend, attr, True)
 
 
-def steps(dot: bool = False) -> dict:
+def steps(layout: str | None = None) -> dict:
+    """Engine steps; with a layout of LAYOUTS, that layout against it off in the engine it serves."""
     from core.engine.types import SamplingParams
 
-    overrides = [] if dot else EAGER  # --dot: the default engine, its decode steps in the native plan
+    overrides = LAYOUTS[layout][3] if layout else EAGER  # a layout: its decode steps in the native plan
     engine, eights = decoding_engine(overrides, rows=64), decoding_engine(overrides, rows=8)
-    baseline = (lambda: _dot_off(engine, eights)) if dot else (lambda: packing(False))
+    baseline = (lambda: _layout_off(layout, engine, eights)) if layout else (lambda: packing(False))
     fresh = iter(range(10**6))
 
     def mixed():
@@ -89,9 +109,9 @@ def steps(dot: bool = False) -> dict:
              "64 decodes + a 512-token prefill": alternate(mixed, 2, baseline)}
     # 8 rows: on AMX CPUs the packed GEMM takes these from the GEMV (plain weights: the GEMV's 16 rows)
     cases["decode, 8 rows"] = alternate(eights.step, 10, baseline)
-    if dot:  # the dot products take every row count there: batch 1 too, from the GEMV
+    if layout:  # these tiles take every row count: batch 1 too
         single = decoding_engine(overrides, rows=1)
-        cases["decode, batch 1"] = alternate(single.step, 30, lambda: _dot_off(single))
+        cases["decode, batch 1"] = alternate(single.step, 30, lambda: _layout_off(layout, single))
     return cases
 
 
@@ -110,14 +130,17 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.packed_linear")
     ap.add_argument("--out", default="reports/packed-linear")
     ap.add_argument("--dot", action="store_true", help="the dot-product layout against oneDNN's packed weights")
+    ap.add_argument("--fp32", action="store_true", help="fp32's FMA tiles against F.linear")
     args = ap.parse_args(argv)
+    layout = "dot" if args.dot else "fp32" if args.fp32 else None
+    if layout:
+        module, _, _, _, _, _, cpus = LAYOUTS[layout][:7]
+        if not module.ready():
+            raise SystemExit(f"servelab_kernels.{module.__name__.rsplit('.', 1)[1]} does not serve on this CPU ({cpus})")
+        return layout_report(layout, args.out)
     probe = torch.zeros(32, 8, dtype=torch.bfloat16)
     if not use_packed(probe, probe):
         raise SystemExit("oneDNN with bf16 support is not available in this torch build")
-    if args.dot:
-        if not dot_linear.ready():
-            raise SystemExit("servelab_kernels.dot_linear does not serve on this CPU (AVX512-BF16 without AMX)")
-        return dot_report(args.out)
     by_shape, by_step, m = shapes(), steps(), machine_info()
     md = ["# bf16 Linears through oneDNN's packed weights against F.linear", "",
           f"- machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['torch_threads']} threads)",
@@ -130,18 +153,22 @@ def main(argv=None) -> int:
     return 0
 
 
-def dot_report(out: str) -> int:
+def layout_report(layout: str, out: str) -> int:
     from core.bench.roofline import machine_info
 
-    sides = ("without it (oneDNN's packed weights; the GEMV up to 16 rows)", "dot-product layout")
-    by_shape, by_step, m = shapes(DOT_ROWS, lambda: dot_linear.enabled(False)), steps(dot=True), machine_info()
-    md = ["# bf16 Linears on dot products (servelab_kernels.dot_linear) against oneDNN's packed weights", "",
+    module, _, dtype, overrides, rows, title, _, *sides = LAYOUTS[layout]
+    by_shape = shapes(rows, lambda: module.enabled(False), dtype, distinct=8 if layout == "fp32" else 1)
+    by_step, m = steps(layout), machine_info()
+    test = "tests/test_dot_linear.py" if layout == "dot" else "tests/test_fp32_linear.py"
+    md = [f"# {title}", "",
           f"- machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['torch_threads']} threads)",
-          f"- {ROUNDS} rounds, alternating; made by `python -m benchmarks.packed_linear --dot`", "",
+          f"- {ROUNDS} rounds, alternating; made by `python -m benchmarks.packed_linear --{layout}`", "",
           "## SmolLM2's shapes", "", *table(by_shape, "layer, rows", sides), "",
-          "The two sum in another order: results agree to a bf16 rounding (tests/test_dot_linear.py bounds both); "
-          "one weight a shape, so warm in cache.", "",
-          "## Engine steps (default engine, embedded model, bf16; decode-only steps in the native plan)", "",
+          f"The two sum in another order ({test} bounds both); "
+          + ("one weight a shape, so warm in cache." if layout == "dot" else
+             "8 distinct weights a shape (the head: one), called in turn, so few-row calls read them from memory."),
+          "", f"## Engine steps (default engine{', ' + ' '.join(overrides) if overrides else ''}, embedded model, "
+          f"{'bf16' if layout == 'dot' else 'fp32'}; decode-only steps in the native plan)", "",
           *table(by_step, "step", sides), ""]
     write_report(out, "\n".join(md), {"machine": m, "rounds": ROUNDS, "shapes": by_shape, "steps": by_step})
     return 0

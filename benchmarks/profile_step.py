@@ -1,6 +1,6 @@
 """Where a step's time goes: `python -m benchmarks.profile_step [--out reports/profile-step] [overrides...]`.
 
-Two steps of the default engine on the embedded model (bf16, continuous + paged), under the torch
+Two steps of the default engine on the embedded model (continuous + paged, model.dtype=auto), under the torch
 profiler: a decode-only step of 64 rows (64 sequences with 128-token prompts, all prefilled), and
 a mixed step of those decodes plus one 512-token prefill chunk, and a decode step of one sequence
 (batch 1, where the fixed cost of a step shows). Each is printed twice: by operator
@@ -155,7 +155,7 @@ def main(argv=None) -> int:
 
     m = machine_info()
     md = (f"# Where a step's time goes\n\n- machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}\n"
-          f"- engine: the default (continuous + paged, bf16), overrides: `{' '.join(args.overrides) or 'none'}`\n"
+          f"- engine: the default (continuous + paged, {engine.config.model.dtype}), overrides: `{' '.join(args.overrides) or 'none'}`\n"
           f"- decode-only steps: {native_note(engine)}\n"
           f"- made by `python -m benchmarks.profile_step`\n\n{decode_md}\n{mixed_md}\n{single_md}")
     out = Path(args.out)

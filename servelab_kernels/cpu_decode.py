@@ -20,12 +20,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from servelab_kernels import amx_linear, cpu_ops, cpu_quant, dot_linear, linear
+from servelab_kernels import amx_linear, cpu_ops, cpu_quant, dot_linear, fp32_linear, linear
 from servelab_kernels.cpp_build import build, namespace
 from servelab_kernels.dispatch import _forced
 from servelab_kernels.quant import Int4Linear, Int8Linear
 
-DENSE, INT4, INT8, TILES, INT8_A8, DOT = 0, 1, 2, 3, 4, 5  # csrc/cpu_decode.cpp's LinearKind
+DENSE, INT4, INT8, TILES, INT8_A8, DOT, FP32 = 0, 1, 2, 3, 4, 5, 6  # csrc/cpu_decode.cpp's LinearKind
 
 
 def load():
@@ -45,7 +45,8 @@ def new_plan(cos: torch.Tensor, sin: torch.Tensor, final_norm: torch.Tensor, num
     quant = cpu_quant.ops() is not None
     ops = [f"{ops_ns}::rms_norm", f"{ops_ns}::rotary", f"{ops_ns}::silu_mul", f"{ops_ns}::bf16_linear", attention_op,
            f"{quant_ns}::q4_matmul" if quant else "", f"{quant_ns}::q8_matmul" if quant else "",
-           f"{ops_ns}::amx_linear" if amx_linear.ready() else "", f"{ops_ns}::dot_linear" if dot_linear.ready() else ""]
+           f"{ops_ns}::amx_linear" if amx_linear.ready() else "", f"{ops_ns}::dot_linear" if dot_linear.ready() else "",
+           f"{ops_ns}::fp32_linear" if fp32_linear.ready() else ""]
     sizes = [num_heads, num_kv_heads, head_dim, intermediate, linear.gemv_rows(), cpu_quant.q4_gemv_rows(),
              cpu_quant.q8_gemv_rows(), int(cpu_quant._int_gemm.on), linear.TILE_ROWS, int(cpu_quant._bf16_dot.on)]
     return load()(cos, sin, final_norm, sizes, float(eps), float(scale), ops)
@@ -53,7 +54,7 @@ def new_plan(cos: torch.Tensor, sin: torch.Tensor, final_norm: torch.Tensor, num
 
 def settings() -> tuple:
     """The switches and thresholds a plan is built with: rebuild it when these change."""
-    return (linear.gemv_rows(), linear._pack_weights.on, amx_linear.switch.on, dot_linear.switch.on,
+    return (linear.gemv_rows(), linear._pack_weights.on, amx_linear.switch.on, dot_linear.switch.on, fp32_linear.switch.on,
             cpu_ops._enabled.on, _forced.on, cpu_quant.q4_gemv_rows(), cpu_quant.q8_gemv_rows(),
             cpu_quant._int_gemm.on, cpu_quant._bf16_dot.on)
 
@@ -78,8 +79,8 @@ def linear_spec(mod: nn.Module, dtype: torch.dtype) -> tuple | None:
         probe = w.new_empty(1, w.shape[1])  # the eager tests look at x's dtype and width only
         packed = mod.packed_weight() if linear.use_packed(probe, w) else None
         layout = linear._layout(w) if packed is not None else None  # the copy the eager Linear takes
-        if layout == "dot":
-            return DOT, False, w, None, packed, bias  # the eager Linear takes the dot products at every row count
+        if layout in ("dot", "fp32"):  # the eager Linear takes these tiles at every row count
+            return DOT if layout == "dot" else FP32, False, w, None, packed, bias
         return TILES if layout == "tiles" else DENSE, linear.use_gemv(probe, w, bias), w, None, packed, bias
     if type(mod) is Int4Linear:
         if mod.layout != "cpu_q4" or mod.input_scale is not None or mod.padded_in != mod.in_features:

@@ -35,10 +35,11 @@ _enabled = Switch()
 
 def load():
     """The compiled module (built on first use, then cached per machine), or None if it cannot build."""
-    return build("cpu_ops", fast_math=False, parts=("cpu_gemv", "cpu_gemm_amx", "cpu_gemm_dot"),
-                 prelude=("cpu_amx", "cpu_bf16_tile"),
+    return build("cpu_ops", fast_math=False, parts=("cpu_gemv", "cpu_gemm_amx", "cpu_gemm_dot", "cpu_gemm_fp32"),
+                 prelude=("cpu_amx", "cpu_bf16_tile", "cpu_fp32_tile"),
                  functions=["rms_norm", "rotary", "silu_mul", "argmax", "bf16_linear", "bf16_dot_native", "amx_pack",
-                            "amx_linear", "amx_linear_ready", "dot_linear", "dot_linear_ready"])
+                            "amx_linear", "amx_linear_ready", "dot_linear", "dot_linear_ready",
+                            "fp32_linear", "fp32_linear_ready"])
 
 
 def use_cpu_ops(*tensors: torch.Tensor | None) -> bool:

@@ -40,6 +40,12 @@ the inner loop is integer dot products (AVX512-VNNI), scaled once per group or p
   multiply by it on bf16 dot products (`q8_gemm_bf16`): two INT8 part rows a row lose to bf16's GEMM where
   INT8 products run under 2x bf16's rate (Zen 4: about 1.5x). Twin: `q8_bf16_ref`.
 
+- fp32 rows on AVX2 FMA CPUs (no AVX-512, where model.dtype=auto runs fp32): above the GEMV's rows,
+  each thread dequantizes 16 weight rows at a time into a panel of K lines of 16 outputs that stays in
+  cache and multiplies every row by it in fp32_linear's 6 x 16 register tiles (csrc/cpu_fp32_tile.cpp),
+  instead of dequantizing the whole weight for at::linear. Same products as the dequantized GEMM; on a
+  2-core Zen 3, 1.0-1.9x its speed from 17 to 256 rows, and about fp32_linear's own over fp32 weights.
+
 `q4_linear_ref`, `q8_linear_ref` and the others in servelab_kernels.cpu_quant_ref are the torch twins
 with the same rounding (the tests hold the kernels to them within float summation order); the plain
 dequantize-and-multiply stays the reference for accuracy.
@@ -73,7 +79,7 @@ A8 = 127  # W8A8 (quant.w8a8): 8-bit activations, one scale a row (token), one I
 def ops(portable: bool = False):
     """The torch.ops namespace of the build (None if it did not build), its ops' shapes known to
     torch.compile's tracing."""
-    ns = build("cpu_quant", portable, fast_math=False, prelude=("cpu_amx", "cpu_bf16_tile"))  # x rounds to int8 exactly as its twin does
+    ns = build("cpu_quant", portable, fast_math=False, prelude=("cpu_amx", "cpu_bf16_tile", "cpu_fp32_tile"))  # x rounds to int8 exactly as its twin does
     if ns is None:
         return None
     if ns not in _faked:
@@ -214,8 +220,9 @@ _int_gemm = Switch()
 
 def int_gemm(on: bool):
     """`with int_gemm(False):` INT8 and INT4 matmuls take the GEMV and, above Q8_GEMV_ROWS /
-    Q4_GEMV_ROWS rows, the GEMM over the weight dequantized to bf16 for each call, as CPUs without
-    AMX or VNNI do (benchmarks.quant_steps, for A/B runs)."""
+    Q4_GEMV_ROWS rows, the GEMM over the weight dequantized to bf16 (fp32 for fp32 rows) for each
+    call, as CPUs without AMX or VNNI did (no fp32 panels on AVX2 either; benchmarks.quant_steps, for
+    A/B runs)."""
     return _int_gemm.set(on)
 
 
@@ -230,8 +237,9 @@ def bf16_dot(on: bool):
 def q8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, levels: int = Q16,
               packed: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ (q * scales).T: AMX tiles where amx_ready(), else the GEMV for up to q8_gemv_rows()
-    rows and above it oneDNN's INT8 GEMM of the split activations (bf16 rows, VNNI builds) or a GEMM
-    over the weight dequantized for this call (`int_gemm(False)` turns both integer GEMMs off); one
+    rows and above it oneDNN's INT8 GEMM of the split activations (bf16 rows, VNNI builds), the fp32
+    panels (fp32 rows, AVX2 builds) or a GEMM over the weight dequantized for this call
+    (`int_gemm(False)` turns the first two off); one
     op either way, so a compiled graph does not branch (and recompile) on the number of rows.
     levels=A8 (W8A8): the activations as INT8, the GEMV and one INT8 GEMM of M rows; no float GEMM.
     packed: q laid out by servelab_kernels.int8_pack, for the VNNI GEMM up to a few hundred rows, and
@@ -253,7 +261,7 @@ def q4_1_groups(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, grou
 
 def q4_matmul(x: torch.Tensor, nibbles: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ W.T for this INT4 layout: the GEMV for up to q4_gemv_rows() rows; above, for bf16
-    rows, the integer GEMM of the GEMV's sums where it is built (`int_gemm(False)` turns it off);
-    else a GEMM in x's precision (bf16 unless x is fp32) over the weight dequantized for this call;
+    rows, the integer GEMM of the GEMV's sums where it is built, for fp32 rows on AVX2 the fp32
+    panels (`int_gemm(False)` turns both off); else a GEMM in x's precision (bf16 unless x is fp32) over the weight dequantized for this call;
     one op for all, so a compiled graph does not branch (and recompile) on the number of rows."""
     return ops().q4_matmul(x, nibbles, dm, q4_gemv_rows(), _int_gemm.on)

@@ -24,7 +24,9 @@ On CPUs with AMX-BF16 tiles the copy is laid out for the tiles instead, and step
 `F.linear` over the plain weight, which oneDNN re-lays out itself. On CPUs with AVX512-BF16 and no
 AMX the copy is laid out for bf16 dot products, multiplied by servelab_kernels/dot_linear.py at any
 number of rows, the GEMV's too (a Zen 4: 1.06-1.35x oneDNN's packed GEMM at 17-128 rows, a batch-1
-decode step 1.76x the GEMV's). Everything else (fp32, autograd, tracing) is `F.linear`. Under torch.compile the graph calls one
+decode step 1.76x the GEMV's). On CPUs without AVX-512, where fp32 is the default, an fp32 Linear
+takes a copy laid out for AVX2 FMA tiles at every number of rows (servelab_kernels/fp32_linear.py).
+Everything else (fp32 elsewhere, autograd, tracing) is `F.linear`. Under torch.compile the graph calls one
 op, `bf16_matmul`, that makes the same choice by the number of rows when it runs (the graph's
 rows are symbolic: a branch here would guard on them and recompile for each step size).
 `linear_ref` is its torch twin.
@@ -40,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from servelab_kernels import amx_linear, cpu_ops, dot_linear
+from servelab_kernels import amx_linear, cpu_ops, dot_linear, fp32_linear
 from servelab_kernels.cpp_build import has_amx, namespace
 from servelab_kernels.dispatch import Switch
 
@@ -144,10 +146,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if torch.compiler.is_compiling():  # first: a test on the number of rows would guard on it in the graph
         return _graph_linear(x, weight, bias)
     layout = _layout(weight) if packed is not None and use_packed(x, weight) else None
-    if layout == "dot":
-        packed_weight = packed()  # the dot products win from one row on (dot_linear's docstring)
+    if layout in ("dot", "fp32"):
+        packed_weight = packed()  # these tiles win from one row on (dot_linear's, fp32_linear's docstrings)
         if packed_weight is not None:
-            return dot_linear.linear(x, packed_weight, bias)
+            return (dot_linear if layout == "dot" else fp32_linear).linear(x, packed_weight, bias)
     if use_gemv(x, weight, bias):
         rows = x.reshape(-1, x.shape[-1])
         if rows.stride(-1) != 1:
@@ -172,15 +174,15 @@ def packing(on: bool):
 
 
 def use_packed(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether a call the GEMV does not serve may take the packed weight: bf16 on the CPU, no
-    autograd, oneDNN with bf16 support, packing on."""
-    if not _pack_weights.on or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
+    """Whether a call the GEMV does not serve may take the packed weight: on the CPU, no autograd,
+    packing on, and bf16 with oneDNN's bf16 support or fp32 where fp32_linear serves."""
+    if not _pack_weights.on or x.dtype != weight.dtype or x.dtype not in (torch.bfloat16, torch.float32):
         return False
     if x.device.type != "cpu" or weight.device.type != "cpu" or x.shape[-1] != weight.shape[-1]:
         return False
     if torch.is_grad_enabled() and (weight.requires_grad or x.requires_grad):
         return False
-    return _mkldnn_bf16()
+    return fp32_linear.use(weight) if x.dtype == torch.float32 else _mkldnn_bf16()
 
 
 def _mkldnn_bf16() -> bool:
@@ -239,7 +241,7 @@ class Linear(nn.Linear):
     (made at the first call that needs it, again whenever the weight changes)."""
 
     # (the weight's storage pointer, its version, its shape, {layout: the packed copy or None where
-    # there was no room}), the layout "tiles", "dot" or "onednn" (`_layout`); a weight replaced or changed
+    # there was no room}), the layout "tiles", "dot", "fp32" or "onednn" (`_layout`); a weight replaced or changed
     # in place through autograd's view of it is packed again. A layout is made when first asked for,
     # so an A/B run that flips `amx_linear.enabled` holds both (and times neither's packing)
     _packed: tuple | None = None
@@ -250,7 +252,8 @@ class Linear(nn.Linear):
     def packed_weight(self) -> torch.Tensor | None:
         global _packed_bytes
         w = self.weight
-        key = (w.data_ptr(), w._version, tuple(w.shape))
+        # a weight made under inference_mode has no version counter: only replacing it repacks
+        key = (w.data_ptr(), -1 if w.is_inference() else w._version, tuple(w.shape))
         if self._packed is None or self._packed[:3] != key:
             self._packed = (*key, {})  # the old copies' bytes are given back as they are freed
         layout = _layout(w)
@@ -259,7 +262,8 @@ class Linear(nn.Linear):
             nbytes = w.numel() * w.element_size()
             packed = None
             if _room_to_pack(nbytes):
-                packed = {"tiles": amx_linear.pack, "dot": dot_linear.pack}.get(layout, pack_weight)(w)
+                packed = {"tiles": amx_linear.pack, "dot": dot_linear.pack, "fp32": fp32_linear.pack}.get(
+                    layout, pack_weight)(w)
                 _packed_bytes += nbytes
                 weakref.finalize(packed, _release, nbytes)
             copies[layout] = packed
@@ -271,8 +275,11 @@ class Linear(nn.Linear):
 
 
 def _layout(weight: torch.Tensor) -> str:
-    """Which packed copy a bf16 weight's calls take now: the tiles' (`amx_linear.use`), the dot
-    products' (`dot_linear.use`) or oneDNN's."""
+    """Which packed copy a weight's calls take now: an fp32 weight fp32_linear's (`use_packed` asked
+    `fp32_linear.use`); a bf16 one the tiles' (`amx_linear.use`), the dot products' (`dot_linear.use`)
+    or oneDNN's."""
+    if weight.dtype == torch.float32:
+        return "fp32"
     if amx_linear.use(weight):
         return "tiles"
     return "dot" if dot_linear.use(weight) else "onednn"

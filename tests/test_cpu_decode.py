@@ -144,10 +144,10 @@ def test_a_plan_is_refused_a_linear_kind_it_does_not_know():
     plan.add_layer(torch.ones(16), torch.ones(16), torch.zeros(1), torch.zeros(1), None, None)
     with pytest.raises(RuntimeError, match="needs its op and its second tensor"):
         plan.add_linear(1, False, torch.zeros(24, 8, dtype=torch.uint8), None, None, None)
-    with pytest.raises(RuntimeError, match="a TILES / DOT layer amx_linear / dot_linear and its packed weight"):
-        plan.add_linear(cpu_decode.TILES, False, torch.zeros(24, 16), None, None, None)
-    with pytest.raises(RuntimeError, match="a TILES / DOT layer amx_linear / dot_linear and its packed weight"):
-        plan.add_linear(cpu_decode.DOT, False, torch.zeros(24, 16), None, None, None)
+    for kind in (cpu_decode.TILES, cpu_decode.DOT, cpu_decode.FP32):
+        with pytest.raises(RuntimeError, match="a TILES / DOT / FP32 layer amx_linear / dot_linear / fp32_linear and "
+                                               "its packed weight"):
+            plan.add_linear(kind, False, torch.zeros(24, 16), None, None, None)
     with pytest.raises(RuntimeError, match="incomplete layers"):
         plan.forward(torch.zeros(1, 16), torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long),
                      torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long))

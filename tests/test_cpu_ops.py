@@ -62,10 +62,10 @@ def test_rotary_refuses_a_position_past_its_table():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("rows", [1, 64, 130])
-def test_silu_mul_matches_the_reference(rows, dtype):
-    gate_up = _randn(rows, 2 * 1536, dtype=dtype, scale=4.0)
-    gate, up = gate_up.split(1536, dim=-1)  # strided halves of the fused gate-up output
+@pytest.mark.parametrize("rows, width", [(1, 1536), (64, 1536), (130, 1536), (3, 100)])  # 100: lanes and a tail
+def test_silu_mul_matches_the_reference(rows, width, dtype):
+    gate_up = _randn(rows, 2 * width, dtype=dtype, scale=4.0)
+    gate, up = gate_up.split(width, dim=-1)  # strided halves of the fused gate-up output
     gate[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0], dtype=dtype)  # exp's clamps and zero
     _close_to_the_bit(cpu_ops.silu_mul(gate, up), activation.silu_mul_ref(gate, up),
                       0.99 if dtype == torch.bfloat16 else 0.3)

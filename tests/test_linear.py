@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from servelab_kernels import amx_linear, cpu_ops, dot_linear
+from servelab_kernels import amx_linear, cpu_ops, dot_linear, fp32_linear
 from servelab_kernels import linear as lin
 
 GEN = torch.Generator().manual_seed(0)
@@ -132,12 +132,29 @@ def test_a_compiled_graph_calls_the_op_for_every_step_size(monkeypatch):
     torch._dynamo.reset()
 
 
-def _packed_layer(n, k, bias):
+def _packed_layer(n, k, bias, dtype=torch.bfloat16):
     layer = lin.Linear(k, n, bias=bias).requires_grad_(False)
-    layer.weight.data = _randn(n, k, scale=0.05)
+    layer.weight.data = _randn(n, k, scale=0.05).to(dtype)
     if bias:
-        layer.bias.data = _randn(n)
+        layer.bias.data = _randn(n).to(dtype)
     return layer
+
+
+def _packing_dtype() -> torch.dtype | None:
+    """The dtype whose Linears take a packed copy on this CPU: bf16 where oneDNN has bf16 (AVX-512, AMX),
+    fp32 where fp32_linear serves (AVX2 without AVX-512), None on others."""
+    if lin._mkldnn_bf16():
+        return torch.bfloat16
+    return torch.float32 if fp32_linear.ready() else None
+
+
+def _assert_product(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor):
+    """bf16: the rounded fp32 sum; fp32: the fp64 product within fp32's summation bound."""
+    if got.dtype == torch.bfloat16:
+        return _assert_rounded_fp32_sum(got, x, w)
+    exact = x.double() @ w.double().T
+    bound = x.shape[1] * 2.0**-23 * (x.double().abs() @ w.double().abs().T)
+    assert ((got.double() - exact).abs() <= bound + 1e-30).all()
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -146,6 +163,9 @@ def test_the_packed_weight_gives_f_linears_bits(shape, bias):
     layer = _packed_layer(300, shape[-1], bias)
     x = _randn(*shape)
     out = layer(x)
+    if not lin._mkldnn_bf16():  # oneDNN packs no bf16 weight on this CPU (AVX2 only): F.linear itself
+        assert layer.packed_copy() is None and torch.equal(out, F.linear(x, layer.weight, layer.bias))
+        return
     assert layer.packed_copy() is not None  # this call took the packed copy
     with lin.packing(False):
         want = layer(x)
@@ -159,20 +179,23 @@ def test_the_packed_weight_gives_f_linears_bits(shape, bias):
 
 
 def test_a_replaced_weight_is_packed_again_and_autograd_keeps_f_linear():
-    layer = _packed_layer(96, 64, False)
-    x = _randn(32, 64)
+    dtype = _packing_dtype() or torch.bfloat16
+    layer = _packed_layer(96, 64, False, dtype)
+    x = _randn(32, 64).to(dtype)
     layer(x)
     first = layer.packed_copy()
+    assert (first is not None) == (_packing_dtype() is not None)
     layer.weight.data = layer.weight.data * 2  # a new tensor (as loading and sharding assign)
-    _assert_rounded_fp32_sum(layer(x), x, layer.weight)
-    assert layer.packed_copy() is not first
+    _assert_product(layer(x), x, layer.weight)
+    assert layer.packed_copy() is not first or first is None
     with torch.no_grad():
         layer.weight.mul_(0.5)  # in place, through the parameter: its version moves
-    _assert_rounded_fp32_sum(layer(x), x, layer.weight)
-    trained = lin.Linear(64, 96, bias=False).bfloat16()
+    _assert_product(layer(x), x, layer.weight)
+    trained = lin.Linear(64, 96, bias=False).to(dtype)
     with torch.enable_grad():
         assert trained(x).requires_grad and trained._packed is None
-    assert not lin.use_packed(x.float(), layer.weight.float())  # fp32: F.linear
+    with fp32_linear.enabled(False):
+        assert not lin.use_packed(x.float(), layer.weight.float())  # fp32 without its tiles: F.linear
 
 
 def test_packed_copies_stop_at_their_memory_share_and_give_their_bytes_back(monkeypatch):
@@ -180,14 +203,17 @@ def test_packed_copies_stop_at_their_memory_share_and_give_their_bytes_back(monk
 
     gc.collect()  # copies earlier tests left to the collector give their bytes back now, not mid-count
     monkeypatch.setattr(lin, "_packed_bytes", 0)
-    layer = _packed_layer(128, 64, False)
-    x = _randn(32, 64)
+    dtype = _packing_dtype()
+    assert dtype is not None, "this CPU packs neither bf16 (oneDNN) nor fp32 (fp32_linear) weights"
+    size = dtype.itemsize
+    layer = _packed_layer(128, 64, False, dtype)
+    x = _randn(32, 64).to(dtype)
     layer(x)
-    assert lin._packed_bytes == 128 * 64 * 2
+    assert lin._packed_bytes == 128 * 64 * size
     monkeypatch.setattr(lin, "PACK_MEMORY_SHARE", 0.0)  # no room: the next layer keeps its plain weight
-    other = _packed_layer(128, 64, False)
+    other = _packed_layer(128, 64, False, dtype)
     assert torch.equal(other(x), F.linear(x, other.weight)) and other.packed_copy() is None  # F.linear itself
-    assert lin._packed_bytes == 128 * 64 * 2
+    assert lin._packed_bytes == 128 * 64 * size
     del layer
     gc.collect()
     assert lin._packed_bytes == 0
@@ -204,6 +230,10 @@ def test_on_amx_the_gemv_keeps_three_rows_and_the_packed_gemm_takes_four(monkeyp
     three, four = _randn(3, 64), _randn(4, 64)
     _assert_rounded_fp32_sum(layer(three), three, layer.weight)
     assert calls == [(3, 64)] and layer._packed is None
+    if not lin._mkldnn_bf16():  # no oneDNN bf16 here (AVX2 only; _AMX forced above): nothing to pack, F.linear
+        assert torch.equal(layer(four), F.linear(four, layer.weight)) and layer.packed_copy() is None
+        assert calls == [(3, 64)]
+        return
     _assert_rounded_fp32_sum(layer(four), four, layer.weight)
     assert calls == [(3, 64)] and layer.packed_copy() is not None
     with lin.packing(False):  # plain weights: the GEMV serves its 16 rows again

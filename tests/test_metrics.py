@@ -91,6 +91,27 @@ def test_cost_model_bounds():
     assert math.isfinite(floor["flops"])
 
 
+
+def test_machine_rates_keep_the_highest_peak_seen(tmp_path, monkeypatch):
+    """Rates cached while the machine was busy are measured again when a quick probe reads faster,
+    each keeping its highest; a probe that does not is answered from the cache."""
+    from core.bench import roofline
+
+    monkeypatch.setattr(roofline, "CACHE_DIR", tmp_path)
+    probe = {"gbs": 20.0}
+    monkeypatch.setattr(roofline, "measure_bandwidth_gbs", lambda *a, **k: probe["gbs"])
+    gflops = {torch.float32: 100.0, torch.bfloat16: 10.0}
+    monkeypatch.setattr(roofline, "measure_matmul_gflops", lambda dtype, *a, **k: gflops[dtype])
+    first = roofline.machine_rates()
+    assert (first["mem_bandwidth_gbs"], first["matmul_gflops"]) == (20.0, {"fp32": 100.0, "bf16": 10.0})
+    probe["gbs"], gflops[torch.float32], gflops[torch.bfloat16] = 21.5, 300.0, 5.0  # within 10 %: the cache
+    assert roofline.machine_rates() == first
+    probe["gbs"] = 30.0  # the busy figure was low: all measured again, the highest of each kept
+    again = roofline.machine_rates()
+    assert (again["mem_bandwidth_gbs"], again["matmul_gflops"]) == (30.0, {"fp32": 300.0, "bf16": 10.0})
+    probe["gbs"] = 12.0
+    assert roofline.machine_rates(remeasure=True)["mem_bandwidth_gbs"] == 12.0  # afresh, as asked
+
 def test_one_record_schema_for_engine_peers_and_streams():
     # a stream may carry several tokens in one chunk: the true count comes from the usage block
     r = make_record("x", arrival=10.0, token_times=[10.5, 10.7], num_output_tokens=5, finished=11.0,

@@ -2,7 +2,8 @@
 GPU's), and the least time a workload could take on it.
 
 Measured once per machine (CPU model, cores, torch version, threads) and cached under
-~/.cache/servelab/; `run.remeasure_machine=true` measures again.
+~/.cache/servelab/; measured again when a quick read probe finds 10 % more bandwidth than the cached
+figure (keeping each rate's highest), and on `run.remeasure_machine=true` (afresh).
 """
 
 from __future__ import annotations
@@ -81,14 +82,23 @@ def machine_rates(remeasure: bool = False, device="cpu") -> dict:
     ident = {k: info[k] for k in ("cpu", "cores", "torch_threads", "torch")} | {"gpu": gpu, "method": "linear"}
     key = hashlib.sha1(json.dumps(ident).encode())
     path = CACHE_DIR / f"machine-{key.hexdigest()[:12]}.json"
-    if path.exists() and not remeasure:
-        return json.loads(path.read_text())
+    cached = json.loads(path.read_text()) if path.exists() else None
+    # A peak measured while something else ran (a first run on a fresh machine, a build beside it)
+    # would cap every later report below what the machine does: a quick probe that finds more
+    # bandwidth measures again, and each rate keeps the highest seen (noise only ever lowers them).
+    if cached is not None and not remeasure and \
+            measure_bandwidth_gbs(256 << 20, reps=3, device=device) <= 1.1 * cached["mem_bandwidth_gbs"]:
+        return cached
     n, size = (8192, 4 << 30) if gpu else (2048, 1 << 30)
+    flops = {"fp32": measure_matmul_gflops(torch.float32, n, device=device),
+             "bf16": measure_matmul_gflops(torch.bfloat16, n, device=device)}
+    bandwidth = measure_bandwidth_gbs(size, device=device)
+    if cached is not None and not remeasure:
+        flops = {k: max(v, cached["matmul_gflops"].get(k, 0.0)) for k, v in flops.items()}
+        bandwidth = max(bandwidth, cached["mem_bandwidth_gbs"])
     rates = {
         **info, "device": gpu or info["cpu"], "device_type": device.type,
-        "matmul_gflops": {"fp32": measure_matmul_gflops(torch.float32, n, device=device),
-                          "bf16": measure_matmul_gflops(torch.bfloat16, n, device=device)},
-        "mem_bandwidth_gbs": measure_bandwidth_gbs(size, device=device),
+        "matmul_gflops": flops, "mem_bandwidth_gbs": bandwidth,
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     CACHE_DIR.mkdir(parents=True, exist_ok=True)

@@ -6,7 +6,8 @@ On CUDA, decode-only steps replay CUDA graphs captured at start-up, one per batc
 On the CPU, decode-only steps run as one C++ call (`backend.native_decode`, on where it applies:
 core/model/decode_plan.py), the same kernels as the eager forward without Python between them, and
 on CPUs with AMX-BF16 tiles bf16 linears multiply on them (`backend.amx_linear`, on where it applies),
-on AVX512-BF16 CPUs without them on bf16 dot products over a copy packed for them (`backend.dot_linear`).
+on AVX512-BF16 CPUs without them on bf16 dot products over a copy packed for them (`backend.dot_linear`),
+and on AVX2 CPUs without AVX-512 fp32 linears on FMA tiles over such a copy (`backend.fp32_linear`).
 With `backend.compile=true` the forward of every other step runs through torch.compile (see
 plugins/backends/compiled.py): off by default, as the first steps pay its compile time.
 """
@@ -34,7 +35,7 @@ from core.api import (
 )
 from plugins.backends.compiled import CompiledForward
 from plugins.backends.cuda_graphs import DecodeGraphs
-from servelab_kernels import amx_linear, dot_linear
+from servelab_kernels import amx_linear, dot_linear, fp32_linear
 
 log = logging.getLogger("servelab")
 
@@ -52,10 +53,14 @@ class TorchBackendConfig(BackendConfig):
     # bf16 linears on bf16 dot products (servelab_kernels/dot_linear.py). None: where the CPU has AVX512-BF16
     # and no AMX; true: refuse to start elsewhere; false: oneDNN's packed weights
     dot_linear: bool | None = None
+    # fp32 linears on AVX2 FMA tiles (servelab_kernels/fp32_linear.py). None: where the CPU has AVX2 and no
+    # AVX-512; true: refuse to start elsewhere; false: F.linear
+    fp32_linear: bool | None = None
 
 
 def _cpu_layout(wanted: bool | None, ready, device: torch.device, what: str, lacking: str) -> bool:
-    """Whether an engine's bf16 linears take a CPU packed layout (`backend.amx_linear`, `backend.dot_linear`):
+    """Whether an engine's linears take a CPU packed layout (`backend.amx_linear`, `backend.dot_linear`,
+    `backend.fp32_linear`):
     None and true take it where `ready()`, false never; true refuses to start where it is not ready."""
     if wanted and not (device.type == "cpu" and ready()):
         raise ConfigError(f"{what}, and this {'CPU (or its build)' if device.type == 'cpu' else 'device'} {lacking}")
@@ -90,6 +95,9 @@ class TorchBackend:
         self.dot_linear = _cpu_layout(config.dot_linear, dot_linear.ready, device,
                                       "backend.dot_linear=true multiplies bf16 on AVX512-BF16 dot products where "
                                       "the CPU has no AMX tiles", "does not")
+        self.fp32_linear = _cpu_layout(config.fp32_linear, fp32_linear.ready, device,
+                                       "backend.fp32_linear=true multiplies fp32 on AVX2 FMA tiles where the CPU "
+                                       "has no AVX-512", "does not")
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self.kv_caches = self.attention.allocate_kv_cache(num_blocks, block_size, self.spec, self.device)
@@ -127,8 +135,9 @@ class TorchBackend:
 
     @contextlib.contextmanager
     def _layouts(self):
-        """This engine's packed-weight layouts (amx_linear, dot_linear), set while it runs a step."""
-        with amx_linear.enabled(self.amx_linear), dot_linear.enabled(self.dot_linear):
+        """This engine's packed-weight layouts (amx_linear, dot_linear, fp32_linear), set while it runs a step."""
+        with amx_linear.enabled(self.amx_linear), dot_linear.enabled(self.dot_linear), \
+                fp32_linear.enabled(self.fp32_linear):
             yield
 
     def _execute(self, batch: ModelInput) -> torch.Tensor:

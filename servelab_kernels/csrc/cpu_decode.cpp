@@ -46,6 +46,8 @@ enum LinearKind : int64_t {
   INT8_A8 = 4,  // Int8Linear with 8-bit activations (quant.w8a8): q8_matmul(x, q, scales, levels=127)
   DOT = 5,      // servelab_kernels.linear.Linear on AVX512-BF16 CPUs without AMX: dot_linear over the weight laid
                 // out for bf16 dot products, at every number of rows
+  FP32 = 6,     // servelab_kernels.linear.Linear, fp32 on AVX2 CPUs without AVX-512: fp32_linear over the weight
+                // laid out for its FMA tiles, at every number of rows
 };
 
 constexpr int64_t Q8_LEVELS = 8191, A8_LEVELS = 127;  // csrc/cpu_quant.cpp's activation levels
@@ -70,7 +72,7 @@ struct DecodePlan : torch::CustomClassHolder {
   // sizes: [num_heads, num_kv_heads, head_dim, intermediate, gemv_rows, q4_gemv_rows, q8_gemv_rows, int_gemm,
   // tile_rows, bf16_dot]; ops: the qualified names of rms_norm, rotary, silu_mul, bf16_linear, the attention
   // backend's write-and-decode, q4_matmul, q8_matmul (those two "" where cpu_quant did not build),
-  // amx_linear ("" where the build has no AMX tiles) and dot_linear ("" where it does not serve)
+  // amx_linear ("" where the build has no AMX tiles), dot_linear and fp32_linear ("" where they do not serve)
   DecodePlan(at::Tensor cos, at::Tensor sin, at::Tensor final_norm, std::vector<int64_t> sizes, double eps,
              double scale, std::vector<std::string> ops)
       : cos_(std::move(cos)), sin_(std::move(sin)), final_norm_(std::move(final_norm)), eps_(eps), scale_(scale),
@@ -80,7 +82,7 @@ struct DecodePlan : torch::CustomClassHolder {
         bf16_linear_(op<Bf16LinearFn>(ops.at(3))),
         write_and_decode_(op<WriteAndDecodeFn>(ops.at(4))),
         linear_pointwise_(c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "")) {
-    TORCH_CHECK(sizes.size() == 10 && ops.size() == 9, "DecodePlan: 10 sizes and 9 ops");
+    TORCH_CHECK(sizes.size() == 10 && ops.size() == 10, "DecodePlan: 10 sizes and 10 ops");
     heads_ = sizes[0], kv_heads_ = sizes[1], head_dim_ = sizes[2], inter_ = sizes[3];
     gemv_rows_ = sizes[4], q4_rows_ = sizes[5], q8_rows_ = sizes[6], int_gemm_ = sizes[7] != 0, tile_rows_ = sizes[8];
     bf16_dot_ = sizes[9] != 0;
@@ -88,6 +90,7 @@ struct DecodePlan : torch::CustomClassHolder {
     if (!ops[6].empty()) q8_matmul_ = op<Q8MatmulFn>(ops[6]);
     if (!ops[7].empty()) amx_linear_ = op<AmxLinearFn>(ops[7]);
     if (!ops[8].empty()) dot_linear_ = op<DotLinearFn>(ops[8]);
+    if (!ops[9].empty()) fp32_linear_ = op<DotLinearFn>(ops[9]);
   }
 
   // k_scale, v_scale: an INT8 cache's scales (None for a bf16 / fp32 cache)
@@ -106,9 +109,10 @@ struct DecodePlan : torch::CustomClassHolder {
     TORCH_CHECK(kind == DENSE || (kind == INT4 && q4_matmul_.has_value() && second) ||
                     ((kind == INT8 || kind == INT8_A8) && q8_matmul_.has_value() && second) ||
                     (kind == TILES && amx_linear_.has_value() && packed) ||
-                    (kind == DOT && dot_linear_.has_value() && packed),
-                "add_linear: an INT4/INT8 layer needs its op and its second tensor, a TILES / DOT layer amx_linear / "
-                "dot_linear and its packed weight");
+                    (kind == DOT && dot_linear_.has_value() && packed) ||
+                    (kind == FP32 && fp32_linear_.has_value() && packed),
+                "add_linear: an INT4/INT8 layer needs its op and its second tensor, a TILES / DOT / FP32 layer "
+                "amx_linear / dot_linear / fp32_linear and its packed weight");
     Layer& layer = layers_.back();
     Linear* slots[4] = {&layer.qkv, &layer.o, &layer.gate_up, &layer.down};
     Linear& lin = *slots[filled_++ % 4];
@@ -174,6 +178,8 @@ struct DecodePlan : torch::CustomClassHolder {
         return at::linear(x, lin.weight, lin.bias);
       case DOT:
         return dot_linear_->call(x.stride(1) == 1 ? x : x.contiguous(), lin.packed, lin.bias);
+      case FP32:
+        return fp32_linear_->call(x.stride(1) == 1 ? x : x.contiguous(), lin.packed, lin.bias);
       default:
         if (lin.gemv && rows <= gemv_rows_) return bf16_linear_.call(x.stride(1) == 1 ? x : x.contiguous(), lin.weight);
         if (lin.packed.defined()) return packed_linear(x, lin);
@@ -215,6 +221,7 @@ struct DecodePlan : torch::CustomClassHolder {
   c10::optional<c10::TypedOperatorHandle<Q8MatmulFn>> q8_matmul_;
   c10::optional<c10::TypedOperatorHandle<AmxLinearFn>> amx_linear_;
   c10::optional<c10::TypedOperatorHandle<DotLinearFn>> dot_linear_;
+  c10::optional<c10::TypedOperatorHandle<DotLinearFn>> fp32_linear_;
   c10::OperatorHandle linear_pointwise_;
 };
 

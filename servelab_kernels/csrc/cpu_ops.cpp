@@ -149,6 +149,33 @@ static inline void silu_mul16(const at::BFloat16* g, const at::BFloat16* u, at::
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__) && !defined(SERVELAB_PORTABLE)
+#include <immintrin.h>
+#define SERVELAB_SILU8 1
+// exp_f on 8 lanes, the same operations in the same order (so the same bits): gcc leaves the fp32
+// loop below scalar on AVX2 (std::rint), about 18 cycles an element: 0.41 ms for a 64-row decode
+// step's 64 x 1,536 on a 2-core Zen 3, 4x torch's silu and multiply; these lanes take under 0.1
+static inline __m256 exp_f8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 r = _mm256_sub_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693145751953125f))),
+                                 _mm256_mul_ps(n, _mm256_set1_ps(1.42860682030941723212e-6f)));
+  __m256 p = _mm256_set1_ps(1.3888889e-3f);
+  for (const float c : {8.3333338e-3f, 4.1666668e-2f, 1.6666667e-1f, 0.5f, 1.f, 1.f})
+    p = _mm256_add_ps(_mm256_set1_ps(c), _mm256_mul_ps(r, p));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+// silu(g) * u on 8 fp32 lanes, divided as the scalar loop divides
+static inline void silu_mul8(const float* g, const float* u, float* o) {
+  const __m256 v = _mm256_loadu_ps(g);
+  const __m256 d = _mm256_add_ps(_mm256_set1_ps(1.f), exp_f8(_mm256_sub_ps(_mm256_setzero_ps(), v)));
+  _mm256_storeu_ps(o, _mm256_mul_ps(_mm256_div_ps(v, d), _mm256_loadu_ps(u)));
+}
+#endif
+
 template <typename T>
 void silu_mul_rows(const T* gate, int64_t g_stride, const T* up, int64_t u_stride, T* out, int64_t rows,
                    int64_t n) {
@@ -164,8 +191,13 @@ void silu_mul_rows(const T* gate, int64_t g_stride, const T* up, int64_t u_strid
         continue;
       }
 #endif
+      int64_t j0 = 0;
+#ifdef SERVELAB_SILU8
+      if constexpr (std::is_same_v<T, float>)
+        for (; j0 + 8 <= n; j0 += 8) silu_mul8(g + j0, u + j0, o + j0);
+#endif
 #pragma omp simd
-      for (int64_t j = 0; j < n; ++j) {
+      for (int64_t j = j0; j < n; ++j) {
         const float v = load_f(g, j);
         store_f(o, j, as_stored(v / (1.f + exp_f(-v)), g) * load_f(u, j));
       }

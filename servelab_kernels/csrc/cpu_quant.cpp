@@ -691,10 +691,66 @@ torch::Tensor q4_gemm_int(const torch::Tensor& x, const torch::Tensor& w, const 
 }
 #endif
 
+// ---- INT4 / INT8 weights times many fp32 rows on AVX2 FMA (CPUs without AVX-512) ----------
+//
+// Where fp32 is the model's dtype (no native bf16), slab_gemm wrote the whole weight dequantized to
+// fp32 (4x its INT8 bytes) and read it back through at::linear, whose small-row GEMM re-lays it out:
+// an INT8 step of 64 rows cost 1.1-1.2x fp32's. Here each thread dequantizes 16 weight rows at a time
+// (the same roundings: the same products as slab_gemm's), lays them out as a panel of K lines of 16
+// outputs in a buffer it keeps in L1/L2, and every activation row multiplies the panel there in
+// csrc/cpu_fp32_tile.cpp's 6 x 16 register tiles, the ones fp32_linear runs over its packed copies.
+#if defined(SERVELAB_AVX2) && defined(SERVELAB_FP32_TILES)
+#define SERVELAB_FP32_PANELS 1
+namespace fp32panel {
+
+constexpr int64_t PANEL = 16;  // weight rows dequantized at a time
+
+// dst[j][i] = src[i][j] for an 8 x 8 block (rows lds / ldd floats apart): 24 shuffles where the
+// scalar loop's 64 loads and stores cost a quarter of a 64-row step's products
+inline void transpose8(const float* src, int64_t lds, float* dst, int64_t ldd) {
+  __m256 r[8], t[8], u[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * lds);
+  for (int i = 0; i < 8; i += 2) t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]), t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; ++i) {
+    _mm256_storeu_ps(dst + i * ldd, _mm256_permute2f128_ps(u[i], u[i + 4], 0x20));
+    _mm256_storeu_ps(dst + (i + 4) * ldd, _mm256_permute2f128_ps(u[i], u[i + 4], 0x31));
+  }
+}
+
+// x [M, K] fp32 (contiguous) times the N x K weight (N a multiple of 16) that dequantize(out, n0, n1)
+// writes rows [n0, n1) of, row-major.
+template <typename Dequantize>
+torch::Tensor gemm(const torch::Tensor& x, int64_t N, int64_t K, Dequantize dequantize) {
+  const int64_t M = x.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N / PANEL, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<float> rows(PANEL * K), panel(PANEL * K);
+    for (int64_t p = p0; p < p1; ++p) {
+      dequantize(rows.data(), p * PANEL, (p + 1) * PANEL);
+      for (int64_t k = 0; k < K; k += 8)  // K is a multiple of 32
+        for (int64_t c = 0; c < PANEL; c += 8) transpose8(rows.data() + c * K + k, K, panel.data() + k * PANEL + c, PANEL);
+      fp32tile::panel(panel.data(), M, K, xp, nullptr, yp + p * PANEL, N);
+    }
+  });
+  return y;
+}
+
+}  // namespace fp32panel
+#endif
+
 // One op for every path, so that a compiled graph holds no branch on the number of rows (a
 // guard that would recompile it): the GEMV up to `gemv_rows` rows; else, for bf16 rows on an
 // AVX512-VNNI build where `int_gemm` allows it, the integer GEMM of the GEMV's sums (q4_gemm_int);
-// else a GEMM over the weight dequantized for this call (bf16, or fp32 for fp32 activations: their
+// else, for fp32 rows on AVX2 where `int_gemm` allows it, the fp32 panels (fp32panel::gemm); else a
+// GEMM over the weight dequantized for this call (bf16, or fp32 for fp32 activations: their
 // precision, as q8_matmul keeps it).
 torch::Tensor q4_matmul(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& dm, int64_t gemv_rows,
                         bool int_gemm) {
@@ -702,7 +758,18 @@ torch::Tensor q4_matmul(const torch::Tensor& x, const torch::Tensor& w, const to
 #ifdef SERVELAB_VNNI
   if (int_gemm && x.scalar_type() == torch::kBFloat16) return q4_gemm_int(x, w, dm);
 #endif
-  if (x.scalar_type() == torch::kFloat32) return q4_gemm<float>(x.contiguous(), w, dm);
+  if (x.scalar_type() == torch::kFloat32) {
+#ifdef SERVELAB_FP32_PANELS
+    if (int_gemm && w.size(0) % fp32panel::PANEL == 0) {  // K = G * 32
+      const int64_t G = w.size(1) / 16, C = dm.size(1);
+      const uint8_t* wp = w.data_ptr<uint8_t>();
+      const at::Half* dmp = dm.data_ptr<at::Half>();
+      return fp32panel::gemm(x.contiguous(), w.size(0), G * GROUP,
+                             [&](float* out, int64_t a, int64_t b) { q4_dequantize_rows(wp, dmp, out, G, C, a, b); });
+    }
+#endif
+    return q4_gemm<float>(x.contiguous(), w, dm);
+  }
   return q4_gemm<at::BFloat16>(x.to(torch::kBFloat16).contiguous(), w, dm).to(x.scalar_type());
 }
 
@@ -721,6 +788,13 @@ void q8_dequantize_rows(const int8_t* wp, const float* sp, T* op, int64_t K, int
         const __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(b + k))));
         _mm256_storeu_si256((__m256i*)(o + k), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(v, sv)));
       }
+    }
+#endif
+#ifdef SERVELAB_SIMD
+    if constexpr (std::is_same_v<T, float>) {
+      const __m256 sv = _mm256_set1_ps(sp[n]);
+      for (; k + 8 <= K; k += 8)
+        _mm256_storeu_ps(o + k, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)(b + k)))), sv));
     }
 #endif
     for (; k < K; ++k) o[k] = static_cast<T>(static_cast<float>(b[k]) * sp[n]);
@@ -1288,7 +1362,19 @@ torch::Tensor q8_matmul(const torch::Tensor& x, const torch::Tensor& w, const to
 #ifdef SERVELAB_VNNI
   if (int_rows) return q8_gemm_int(x, w, scales, levels);
 #endif
-  if (x.scalar_type() == torch::kFloat32) return q8_gemm<float>(x.contiguous(), w, scales);
+  if (x.scalar_type() == torch::kFloat32) {
+#ifdef SERVELAB_FP32_PANELS
+    if (int_gemm && w.size(0) % fp32panel::PANEL == 0) {
+      const auto s = scales.to(torch::kFloat32).contiguous();
+      const int8_t* wp = w.data_ptr<int8_t>();
+      const float* sp = s.data_ptr<float>();
+      const int64_t K = w.size(1);
+      return fp32panel::gemm(x.contiguous(), w.size(0), K,
+                             [&](float* out, int64_t a, int64_t b) { q8_dequantize_rows(wp, sp, out, K, a, b); });
+    }
+#endif
+    return q8_gemm<float>(x.contiguous(), w, scales);
+  }
   return q8_gemm<at::BFloat16>(x.to(torch::kBFloat16).contiguous(), w, scales).to(x.scalar_type());
 }
 
