@@ -140,3 +140,11 @@ def test_int8_and_int4_weights_times_many_fp32_rows_are_their_dequantized_produc
     q = torch.randint(0, 16, (n, 128), generator=GEN)
     nibbles, dm = cpu_quant.pack_q4(q, torch.rand(n, 4, generator=GEN) * 0.02, -torch.rand(n, 4, generator=GEN) * 0.1)
     _assert_fp32_sum(ops.q4_matmul(x, nibbles, dm, 12, True), x, cpu_quant.dequantize_q4_ref(nibbles, dm).float())
+
+
+def test_an_int8_weight_whose_inputs_are_not_whole_lanes_keeps_the_dequantized_gemm():
+    """The panels transpose 8 inputs at a time: K = 36 takes the dequantized GEMM (it once wrote past
+    the panel and corrupted the heap)."""
+    x, w = _randn(20, 36), torch.randint(-127, 128, (32, 36), generator=GEN, dtype=torch.int8)
+    scales = (torch.rand(32, generator=GEN) * 0.01).to(torch.bfloat16)
+    _assert_fp32_sum(cpu_quant.ops().q8_matmul(x, w, scales, 16, True), x, w.float() * scales.float()[:, None])

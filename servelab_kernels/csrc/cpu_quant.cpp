@@ -483,15 +483,78 @@ torch::Tensor q4_dequantize(const torch::Tensor& w, const torch::Tensor& dm, c10
   return out.scalar_type() == dtype ? out : out.to(dtype);
 }
 
+// ---- INT4 / INT8 weights times many fp32 rows on AVX2 FMA (CPUs without AVX-512) ----------
+//
+// Where fp32 is the model's dtype (no native bf16), slab_gemm wrote the whole weight dequantized to
+// fp32 (4x its INT8 bytes) and read it back through at::linear, whose small-row GEMM re-lays it out:
+// an INT8 step of 64 rows cost 1.1-1.2x fp32's. Now slab_gemm sends fp32 rows here (when asked: N a
+// multiple of 16, K of 8): each thread dequantizes 16 weight rows at a time
+// (the same roundings: the same products as slab_gemm's), lays them out as a panel of K lines of 16
+// outputs in a buffer it keeps in L1/L2, and every activation row multiplies the panel there in
+// csrc/cpu_fp32_tile.cpp's 6 x 16 register tiles, the ones fp32_linear runs over its packed copies.
+#if defined(SERVELAB_AVX2) && defined(SERVELAB_FP32_TILES)
+#define SERVELAB_FP32_PANELS 1
+namespace fp32panel {
+
+constexpr int64_t PANEL = 16;  // weight rows dequantized at a time
+
+// dst[j][i] = src[i][j] for an 8 x 8 block (rows lds / ldd floats apart): 24 shuffles where the
+// scalar loop's 64 loads and stores cost a quarter of a 64-row step's products
+inline void transpose8(const float* src, int64_t lds, float* dst, int64_t ldd) {
+  __m256 r[8], t[8], u[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * lds);
+  for (int i = 0; i < 8; i += 2) t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]), t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; ++i) {
+    _mm256_storeu_ps(dst + i * ldd, _mm256_permute2f128_ps(u[i], u[i + 4], 0x20));
+    _mm256_storeu_ps(dst + (i + 4) * ldd, _mm256_permute2f128_ps(u[i], u[i + 4], 0x31));
+  }
+}
+
+// x [M, K] fp32 (contiguous) times the N x K weight (N a multiple of 16, K of 8) that
+// dequantize(out, n0, n1) writes rows [n0, n1) of, row-major.
+template <typename Dequantize>
+torch::Tensor gemm(const torch::Tensor& x, int64_t N, int64_t K, Dequantize dequantize) {
+  const int64_t M = x.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N / PANEL, 1, [&](int64_t p0, int64_t p1) {
+    std::vector<float> rows(PANEL * K), panel(PANEL * K);
+    for (int64_t p = p0; p < p1; ++p) {
+      dequantize(rows.data(), p * PANEL, (p + 1) * PANEL);
+      for (int64_t k = 0; k < K; k += 8)
+        for (int64_t c = 0; c < PANEL; c += 8) transpose8(rows.data() + c * K + k, K, panel.data() + k * PANEL + c, PANEL);
+      fp32tile::panel(panel.data(), M, K, xp, nullptr, yp + p * PANEL, N);
+    }
+  });
+  return y;
+}
+
+}  // namespace fp32panel
+#endif
+
 // A weight past 2 slabs (the head: 49152 rows) is dequantized a slab at a time into one buffer
 // that stays in cache: the whole of it would be a fresh 57 MB (113 MB in fp32) each call, its page
 // faults and DRAM writes costing SmolLM2's head 2.6x the bf16 GEMM instead of about 1.05x.
 constexpr int64_t SLAB_ROWS = 2048;
 
 // y = x . W^T in T (x [M, K] already in T), W [N, K] made by `dequantize(out, n0, n1)`, which
-// writes rows [n0, n1) to `out` (row n0 first).
+// writes rows [n0, n1) to `out` (row n0 first). `panels`: fp32 rows on AVX2 take fp32panel::gemm
+// where the shape allows it.
 template <typename T, typename Dequantize>
-torch::Tensor slab_gemm(const torch::Tensor& x, int64_t N, int64_t K, Dequantize dequantize) {
+torch::Tensor slab_gemm(const torch::Tensor& x, int64_t N, int64_t K, Dequantize dequantize, bool panels = false) {
+#ifdef SERVELAB_FP32_PANELS
+  if constexpr (std::is_same_v<T, float>) {
+    if (panels && N % fp32panel::PANEL == 0 && K % 8 == 0) return fp32panel::gemm(x, N, K, dequantize);
+  }
+#endif
+  (void)panels;
   const int64_t rows = N <= 2 * SLAB_ROWS ? N : SLAB_ROWS;
   auto slab = torch::empty({rows, K}, x.options());
   T* base = slab.data_ptr<T>();
@@ -509,11 +572,12 @@ torch::Tensor slab_gemm(const torch::Tensor& x, int64_t N, int64_t K, Dequantize
 }
 
 template <typename T>
-torch::Tensor q4_gemm(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& dm) {
+torch::Tensor q4_gemm(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& dm, bool panels = false) {
   const int64_t N = w.size(0), G = w.size(1) / 16, C = dm.size(1);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const at::Half* dmp = dm.data_ptr<at::Half>();
-  return slab_gemm<T>(x, N, G * GROUP, [&](T* out, int64_t a, int64_t b) { q4_dequantize_rows(wp, dmp, out, G, C, a, b); });
+  return slab_gemm<T>(x, N, G * GROUP, [&](T* out, int64_t a, int64_t b) { q4_dequantize_rows(wp, dmp, out, G, C, a, b); },
+                      panels);
 }
 
 // ---- INT4 weights times many rows: a register-blocked integer GEMM --------------------------
@@ -691,60 +755,6 @@ torch::Tensor q4_gemm_int(const torch::Tensor& x, const torch::Tensor& w, const 
 }
 #endif
 
-// ---- INT4 / INT8 weights times many fp32 rows on AVX2 FMA (CPUs without AVX-512) ----------
-//
-// Where fp32 is the model's dtype (no native bf16), slab_gemm wrote the whole weight dequantized to
-// fp32 (4x its INT8 bytes) and read it back through at::linear, whose small-row GEMM re-lays it out:
-// an INT8 step of 64 rows cost 1.1-1.2x fp32's. Here each thread dequantizes 16 weight rows at a time
-// (the same roundings: the same products as slab_gemm's), lays them out as a panel of K lines of 16
-// outputs in a buffer it keeps in L1/L2, and every activation row multiplies the panel there in
-// csrc/cpu_fp32_tile.cpp's 6 x 16 register tiles, the ones fp32_linear runs over its packed copies.
-#if defined(SERVELAB_AVX2) && defined(SERVELAB_FP32_TILES)
-#define SERVELAB_FP32_PANELS 1
-namespace fp32panel {
-
-constexpr int64_t PANEL = 16;  // weight rows dequantized at a time
-
-// dst[j][i] = src[i][j] for an 8 x 8 block (rows lds / ldd floats apart): 24 shuffles where the
-// scalar loop's 64 loads and stores cost a quarter of a 64-row step's products
-inline void transpose8(const float* src, int64_t lds, float* dst, int64_t ldd) {
-  __m256 r[8], t[8], u[8];
-  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * lds);
-  for (int i = 0; i < 8; i += 2) t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]), t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-  for (int i = 0; i < 8; i += 4) {
-    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
-    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
-    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
-    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
-  }
-  for (int i = 0; i < 4; ++i) {
-    _mm256_storeu_ps(dst + i * ldd, _mm256_permute2f128_ps(u[i], u[i + 4], 0x20));
-    _mm256_storeu_ps(dst + (i + 4) * ldd, _mm256_permute2f128_ps(u[i], u[i + 4], 0x31));
-  }
-}
-
-// x [M, K] fp32 (contiguous) times the N x K weight (N a multiple of 16) that dequantize(out, n0, n1)
-// writes rows [n0, n1) of, row-major.
-template <typename Dequantize>
-torch::Tensor gemm(const torch::Tensor& x, int64_t N, int64_t K, Dequantize dequantize) {
-  const int64_t M = x.size(0);
-  auto y = torch::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N / PANEL, 1, [&](int64_t p0, int64_t p1) {
-    std::vector<float> rows(PANEL * K), panel(PANEL * K);
-    for (int64_t p = p0; p < p1; ++p) {
-      dequantize(rows.data(), p * PANEL, (p + 1) * PANEL);
-      for (int64_t k = 0; k < K; k += 8)  // K is a multiple of 32
-        for (int64_t c = 0; c < PANEL; c += 8) transpose8(rows.data() + c * K + k, K, panel.data() + k * PANEL + c, PANEL);
-      fp32tile::panel(panel.data(), M, K, xp, nullptr, yp + p * PANEL, N);
-    }
-  });
-  return y;
-}
-
-}  // namespace fp32panel
-#endif
 
 // One op for every path, so that a compiled graph holds no branch on the number of rows (a
 // guard that would recompile it): the GEMV up to `gemv_rows` rows; else, for bf16 rows on an
@@ -758,18 +768,7 @@ torch::Tensor q4_matmul(const torch::Tensor& x, const torch::Tensor& w, const to
 #ifdef SERVELAB_VNNI
   if (int_gemm && x.scalar_type() == torch::kBFloat16) return q4_gemm_int(x, w, dm);
 #endif
-  if (x.scalar_type() == torch::kFloat32) {
-#ifdef SERVELAB_FP32_PANELS
-    if (int_gemm && w.size(0) % fp32panel::PANEL == 0) {  // K = G * 32
-      const int64_t G = w.size(1) / 16, C = dm.size(1);
-      const uint8_t* wp = w.data_ptr<uint8_t>();
-      const at::Half* dmp = dm.data_ptr<at::Half>();
-      return fp32panel::gemm(x.contiguous(), w.size(0), G * GROUP,
-                             [&](float* out, int64_t a, int64_t b) { q4_dequantize_rows(wp, dmp, out, G, C, a, b); });
-    }
-#endif
-    return q4_gemm<float>(x.contiguous(), w, dm);
-  }
+  if (x.scalar_type() == torch::kFloat32) return q4_gemm<float>(x.contiguous(), w, dm, int_gemm);
   return q4_gemm<at::BFloat16>(x.to(torch::kBFloat16).contiguous(), w, dm).to(x.scalar_type());
 }
 
@@ -813,12 +812,13 @@ torch::Tensor q8_dequantize(const torch::Tensor& w, const torch::Tensor& scales)
 }
 
 template <typename T>
-torch::Tensor q8_gemm(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales) {
+torch::Tensor q8_gemm(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales, bool panels = false) {
   const int64_t K = w.size(1);
   const auto s = scales.to(torch::kFloat32).contiguous();
   const int8_t* wp = w.data_ptr<int8_t>();
   const float* sp = s.data_ptr<float>();
-  return slab_gemm<T>(x, w.size(0), K, [&](T* out, int64_t a, int64_t b) { q8_dequantize_rows(wp, sp, out, K, a, b); });
+  return slab_gemm<T>(x, w.size(0), K, [&](T* out, int64_t a, int64_t b) { q8_dequantize_rows(wp, sp, out, K, a, b); },
+                      panels);
 }
 
 
@@ -1362,19 +1362,7 @@ torch::Tensor q8_matmul(const torch::Tensor& x, const torch::Tensor& w, const to
 #ifdef SERVELAB_VNNI
   if (int_rows) return q8_gemm_int(x, w, scales, levels);
 #endif
-  if (x.scalar_type() == torch::kFloat32) {
-#ifdef SERVELAB_FP32_PANELS
-    if (int_gemm && w.size(0) % fp32panel::PANEL == 0) {
-      const auto s = scales.to(torch::kFloat32).contiguous();
-      const int8_t* wp = w.data_ptr<int8_t>();
-      const float* sp = s.data_ptr<float>();
-      const int64_t K = w.size(1);
-      return fp32panel::gemm(x.contiguous(), w.size(0), K,
-                             [&](float* out, int64_t a, int64_t b) { q8_dequantize_rows(wp, sp, out, K, a, b); });
-    }
-#endif
-    return q8_gemm<float>(x.contiguous(), w, scales);
-  }
+  if (x.scalar_type() == torch::kFloat32) return q8_gemm<float>(x.contiguous(), w, scales, int_gemm);  // fp32 panels
   return q8_gemm<at::BFloat16>(x.to(torch::kBFloat16).contiguous(), w, scales).to(x.scalar_type());
 }
 
