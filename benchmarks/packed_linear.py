@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import statistics
+import types
 
 import torch
 
@@ -35,14 +37,34 @@ SHAPES = {"qkv (960 x 576)": (960, 576), "o (576 x 576)": (576, 576), "gate/up (
           "down (576 x 1536)": (576, 1536), "head (49152 x 576)": (49152, 576)}
 ROWS = (4, 8, 17, 64, 256)
 DOT_ROWS = (17, 32, 64, 128, 256)  # --dot: past the GEMV's rows, where the two GEMMs differ
-# --dot / --fp32: (module, the backend's attribute, weights' dtype, the engine's overrides, rows, title, the other side)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A packed layout's A/B (--dot, --fp32): the layout against what runs with it turned off."""
+    module: types.ModuleType  # dot_linear or fp32_linear: enabled(), ready()
+    backend_attr: str  # the backend's switch for it (backend.dot_linear, backend.fp32_linear)
+    dtype: torch.dtype
+    overrides: list[str]  # the engine's
+    rows: tuple[int, ...]
+    distinct: int  # weights a shape in the shape table (the head: one)
+    title: str
+    cpus: str  # where it serves
+    sides: tuple[str, str]  # the table's two columns: off, on
+    test: str  # the test that bounds both
+    cache_note: str
+
+
 LAYOUTS = {
-    "dot": (dot_linear, "dot_linear", torch.bfloat16, [], DOT_ROWS, "bf16 Linears on dot products "
-            "(servelab_kernels.dot_linear) against oneDNN's packed weights", "AVX512-BF16 without AMX",
-            "without it (oneDNN's packed weights; the GEMV up to 16 rows)", "dot-product layout"),
-    "fp32": (fp32_linear, "fp32_linear", torch.float32, ["model.dtype=fp32"], (1, 4, 8, 16, 32, 64, 128, 256),
-             "fp32 Linears on AVX2 FMA tiles (servelab_kernels.fp32_linear) against F.linear", "AVX2 without AVX-512",
-             "F.linear (plain weights)", "FMA tiles"),
+    "dot": Layout(dot_linear, "dot_linear", torch.bfloat16, [], DOT_ROWS, 1,
+                  "bf16 Linears on dot products (servelab_kernels.dot_linear) against oneDNN's packed weights",
+                  "AVX512-BF16 without AMX",
+                  ("without it (oneDNN's packed weights; the GEMV up to 16 rows)", "dot-product layout"),
+                  "tests/test_dot_linear.py", "one weight a shape, so warm in cache."),
+    "fp32": Layout(fp32_linear, "fp32_linear", torch.float32, ["model.dtype=fp32"], (1, 4, 8, 16, 32, 64, 128, 256), 8,
+                   "fp32 Linears on AVX2 FMA tiles (servelab_kernels.fp32_linear) against F.linear",
+                   "AVX2 without AVX-512", ("F.linear (plain weights)", "FMA tiles"), "tests/test_fp32_linear.py",
+                   "8 distinct weights a shape (the head: one), called in turn, so few-row calls read them from memory."),
 }
 
 
@@ -80,22 +102,22 @@ def shapes(rows_list=ROWS, baseline=lambda: packing(False), dtype=torch.bfloat16
 def _layout_off(layout: str, *engines):
     """LAYOUTS[layout] off, also for these engines' steps (their backends set its switch around each
     step: backend.dot_linear, backend.fp32_linear)."""
-    module, attr = LAYOUTS[layout][:2]
+    lay = LAYOUTS[layout]
     for e in engines:
-        setattr(e.backend, attr, False)
+        setattr(e.backend, lay.backend_attr, False)
     try:
-        with module.enabled(False):
+        with lay.module.enabled(False):
             yield
     finally:
         for e in engines:
-            setattr(e.backend, attr, True)
+            setattr(e.backend, lay.backend_attr, True)
 
 
 def steps(layout: str | None = None) -> dict:
     """Engine steps; with a layout of LAYOUTS, that layout against it off in the engine it serves."""
     from core.engine.types import SamplingParams
 
-    overrides = LAYOUTS[layout][3] if layout else EAGER  # a layout: its decode steps in the native plan
+    overrides = LAYOUTS[layout].overrides if layout else EAGER  # a layout: its decode steps in the native plan
     engine, eights = decoding_engine(overrides, rows=64), decoding_engine(overrides, rows=8)
     baseline = (lambda: _layout_off(layout, engine, eights)) if layout else (lambda: packing(False))
     fresh = iter(range(10**6))
@@ -134,9 +156,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     layout = "dot" if args.dot else "fp32" if args.fp32 else None
     if layout:
-        module, _, _, _, _, _, cpus = LAYOUTS[layout][:7]
-        if not module.ready():
-            raise SystemExit(f"servelab_kernels.{module.__name__.rsplit('.', 1)[1]} does not serve on this CPU ({cpus})")
+        lay = LAYOUTS[layout]
+        if not lay.module.ready():
+            raise SystemExit(f"{lay.module.__name__} does not serve on this CPU ({lay.cpus})")
         return layout_report(layout, args.out)
     probe = torch.zeros(32, 8, dtype=torch.bfloat16)
     if not use_packed(probe, probe):
@@ -155,20 +177,20 @@ def main(argv=None) -> int:
 
 def layout_report(layout: str, out: str) -> int:
     from core.bench.roofline import machine_info
+    from core.model.loader import DTYPES
 
-    module, _, dtype, overrides, rows, title, _, *sides = LAYOUTS[layout]
-    by_shape = shapes(rows, lambda: module.enabled(False), dtype, distinct=8 if layout == "fp32" else 1)
+    lay = LAYOUTS[layout]
+    sides = lay.sides
+    by_shape = shapes(lay.rows, lambda: lay.module.enabled(False), lay.dtype, lay.distinct)
     by_step, m = steps(layout), machine_info()
-    test = "tests/test_dot_linear.py" if layout == "dot" else "tests/test_fp32_linear.py"
-    md = [f"# {title}", "",
+    md = [f"# {lay.title}", "",
           f"- machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['torch_threads']} threads)",
           f"- {ROUNDS} rounds, alternating; made by `python -m benchmarks.packed_linear --{layout}`", "",
           "## SmolLM2's shapes", "", *table(by_shape, "layer, rows", sides), "",
-          f"The two sum in another order ({test} bounds both); "
-          + ("one weight a shape, so warm in cache." if layout == "dot" else
-             "8 distinct weights a shape (the head: one), called in turn, so few-row calls read them from memory."),
-          "", f"## Engine steps (default engine{', ' + ' '.join(overrides) if overrides else ''}, embedded model, "
-          f"{'bf16' if layout == 'dot' else 'fp32'}; decode-only steps in the native plan)", "",
+          f"The two sum in another order ({lay.test} bounds both); {lay.cache_note}",
+          "", f"## Engine steps (default engine{', ' + ' '.join(lay.overrides) if lay.overrides else ''}, embedded model, "
+          f"{next(name for name, dtype in DTYPES.items() if dtype == lay.dtype)}; "
+          "decode-only steps in the native plan)", "",
           *table(by_step, "step", sides), ""]
     write_report(out, "\n".join(md), {"machine": m, "rounds": ROUNDS, "shapes": by_shape, "steps": by_step})
     return 0

@@ -149,7 +149,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if layout in ("dot", "fp32"):
         packed_weight = packed()  # these tiles win from one row on (dot_linear's, fp32_linear's docstrings)
         if packed_weight is not None:
-            return (dot_linear if layout == "dot" else fp32_linear).linear(x, packed_weight, bias)
+            return _KERNELS[layout].linear(x, packed_weight, bias)
     if use_gemv(x, weight, bias):
         rows = x.reshape(-1, x.shape[-1])
         if rows.stride(-1) != 1:
@@ -262,8 +262,7 @@ class Linear(nn.Linear):
             nbytes = w.numel() * w.element_size()
             packed = None
             if _room_to_pack(nbytes):
-                packed = {"tiles": amx_linear.pack, "dot": dot_linear.pack, "fp32": fp32_linear.pack}.get(
-                    layout, pack_weight)(w)
+                packed = _KERNELS[layout].pack(w) if layout in _KERNELS else pack_weight(w)
                 _packed_bytes += nbytes
                 weakref.finalize(packed, _release, nbytes)
             copies[layout] = packed
@@ -272,6 +271,10 @@ class Linear(nn.Linear):
     def packed_copy(self) -> torch.Tensor | None:
         """The packed copy of the layout in use now, if one was made (None: not made, or no room)."""
         return self._packed[3].get(_layout(self.weight)) if self._packed is not None else None
+
+
+# the packed layouts servelab's own kernels multiply by (pack, linear); "onednn" is torch's
+_KERNELS = {"tiles": amx_linear, "dot": dot_linear, "fp32": fp32_linear}
 
 
 def _layout(weight: torch.Tensor) -> str:
