@@ -1,9 +1,11 @@
 """Decode attention on this machine against its KV-read floor, and the C++ prefill beside SDPA:
 `python -m benchmarks.decode_attention`.
 
-Each implementation (the torch reference, the C++ vector kernel, its one-pass predecessor beside
-it, the AMX tile kernel where the CPU has AMX-BF16) over paged caches of SmolLM2's geometry (9 query heads, 3 KV heads, head_dim 64,
-blocks of 16, scattered over a pool): bytes of K and V read per call as a share of two floors.
+Each implementation (the torch reference, the C++ vector kernel (AVX-512, or the AVX2 two-pass kernel
+on CPUs without AVX-512), the portable C++ loop every CPU builds, the one-pass predecessor where the
+two-pass kernel is AVX512-BF16 code, the AMX tile kernel where the CPU has AMX-BF16) over paged bf16,
+INT8 and fp32 caches of SmolLM2's geometry (9 query heads, 3 KV heads, head_dim 64, blocks of 16 or
+`--block-size`, scattered over a pool): bytes of K and V read per call as a share of two floors.
 
 Read cold, as an engine reads them: a 30-layer model's caches are far past the last-level cache, so
 every call here reads blocks no recent call touched (the calls cycle through tables drawn from a
@@ -32,9 +34,12 @@ import torch
 
 from servelab_kernels import attention as ref
 from servelab_kernels import cpu_attention, huge_pages
+from servelab_kernels.cpp_build import cpu_features
 
 CASES = [(1, 2048, torch.bfloat16), (16, 512, torch.bfloat16), (64, 256, torch.bfloat16), (64, 640, torch.bfloat16),
-         (64, 1024, torch.bfloat16), (128, 640, torch.bfloat16), (64, 1024, torch.int8)]
+         (64, 1024, torch.bfloat16), (128, 640, torch.bfloat16), (64, 1024, torch.int8), (64, 512, torch.float32),
+         (64, 1024, torch.float32)]
+KV_NAMES = {torch.bfloat16: "bf16", torch.int8: "int8", torch.float32: "fp32"}
 
 
 ROUNDS, CALLS = 7, 5
@@ -72,7 +77,7 @@ class ColdCaches:
         g = torch.Generator().manual_seed(0)
         self.bs = bs
         nb = -(-ctx // bs)
-        block_bytes = 2 * kvh * bs * d * (1 if dtype == torch.int8 else 2)
+        block_bytes = 2 * kvh * bs * d * torch.empty((), dtype=dtype).element_size()
         self.sets = max(2, -(-span // (b * nb * block_bytes)))
         pool = self.sets * b * nb
         if dtype == torch.int8:
@@ -85,7 +90,7 @@ class ColdCaches:
             self.kc, self.vc = (huge_pages.zeros(t.shape, t.dtype).copy_(t) for t in (self.kc, self.vc))
         self.tables = list(torch.randperm(pool, generator=g).view(self.sets, b, nb))
         self.lens = torch.full((b,), ctx)
-        self.q = torch.randn(b, 9, d, generator=g).bfloat16()
+        self.q = torch.randn(b, 9, d, generator=g).to(torch.float32 if dtype == torch.float32 else torch.bfloat16)
         self.kv_bytes = 2 * b * ctx * kvh * (d * self.kc.element_size() + (2 if dtype == torch.int8 else 0))
         self.next, self.resident = 0, False
 
@@ -132,16 +137,27 @@ def implementations(c: ColdCaches) -> dict:
     def tiles():
         cpu_attention.decode_attention(q, c.kc, c.vc, c.take(), lens, 0.125, *s)
 
+    def portable():
+        cpu_attention.decode_attention(q, c.kc, c.vc, c.take(), lens, 0.125, *s, portable=True)
+
     amx = cpu_attention.amx_decode_ready() and c.kc.dtype == torch.bfloat16
-    return {"torch reference": reference, "C++ vector (attention=cpu)": vector,
-            "C++ vector in one pass (a running max: the kernel before 2026-12-06)": one_pass,
+    # the one-pass switch exists where the two-pass kernel is AVX512-BF16 code, for bf16 and INT8 caches
+    one = "avx512_bf16" in cpu_features() and c.kc.dtype != torch.float32
+    return {"torch reference": reference, vector_name(): vector,
+            "C++ portable loop (attention.decode=portable)": portable,
+            "C++ vector in one pass (a running max: the kernel before 2026-12-06)": one_pass if one else None,
             "C++ AMX tiles (attention=cpu, the default here)": tiles if amx else None,
             "read floor (read_blocks: the same reads, no arithmetic)":
                 lambda: cpu_attention.read_blocks(c.kc, c.vc, c.take(), lens)}
 
 
-def case(b: int, ctx: int, dtype, probe: torch.Tensor, span: int) -> list[dict]:
-    c = ColdCaches(b, ctx, dtype, span)
+def vector_name() -> str:
+    """The vector kernel's row: AVX-512 code, or the AVX2 two-pass kernel on CPUs without AVX-512."""
+    return f"C++ {'AVX2 two-pass' if cpu_attention.avx2_decode_built() else 'vector'} (attention=cpu)"
+
+
+def case(b: int, ctx: int, dtype, probe: torch.Tensor, span: int, bs: int) -> list[dict]:
+    c = ColdCaches(b, ctx, dtype, span, bs=bs)
     rows, floor_ms = [], None
     for name, call in implementations(c).items():
         if not call:
@@ -153,25 +169,25 @@ def case(b: int, ctx: int, dtype, probe: torch.Tensor, span: int) -> list[dict]:
         c.resident = False
         if name.startswith("read floor"):
             floor_ms = cold["ms"]
-        rows.append({"sequences": b, "context": ctx, "kv": "int8" if dtype == torch.int8 else "bf16",
+        rows.append({"sequences": b, "context": ctx, "kv": KV_NAMES[dtype],
                      "implementation": name, "cold_sets": c.sets, **cold, "gbs": c.kv_bytes / cold["ms"] / 1e6,
                      "resident_gbs": c.kv_bytes / resident / 1e6})
     default = "C++ AMX tiles (attention=cpu, the default here)" if any(r["implementation"].startswith("C++ AMX")
-                                                                      for r in rows) else "C++ vector (attention=cpu)"
-    rows.append(plain_pages(b, ctx, dtype, probe, span, default))
+                                                                      for r in rows) else vector_name()
+    rows.append(plain_pages(b, ctx, dtype, probe, span, default, bs))
     for row in rows:
         row["share_of_floor"] = floor_ms / row["ms"] if floor_ms else None
     return rows
 
 
-def plain_pages(b: int, ctx: int, dtype, probe: torch.Tensor, span: int, name: str) -> dict:
+def plain_pages(b: int, ctx: int, dtype, probe: torch.Tensor, span: int, name: str, bs: int) -> dict:
     """The default kernel over caches on 4 KB pages (`attention.huge_pages=false`)."""
-    c = ColdCaches(b, ctx, dtype, span, huge=False)
+    c = ColdCaches(b, ctx, dtype, span, bs=bs, huge=False)
     amx = name.startswith("C++ AMX")
     call = implementations(c)[name]
     with cpu_attention.amx_decode(amx):
         cold = side_by_side(call, c.kv_bytes, probe, max(CALLS, min(c.sets, 64)))
-    return {"sequences": b, "context": ctx, "kv": "int8" if dtype == torch.int8 else "bf16",
+    return {"sequences": b, "context": ctx, "kv": KV_NAMES[dtype],
             "implementation": name.split(" (")[0] + " on 4 KB pages (attention.huge_pages=false)", "cold_sets": c.sets,
             **cold, "gbs": c.kv_bytes / cold["ms"] / 1e6, "resident_gbs": None}
 
@@ -235,7 +251,7 @@ def block_size_section(probe: torch.Tensor, span: int) -> tuple[list[str], list[
     for b, ctx in BLOCK_CASES:
         caches = {bs: ColdCaches(b, ctx, torch.bfloat16, span, bs=bs) for bs in BLOCK_SIZES}
         calls = {bs: implementations(c) for bs, c in caches.items()}
-        name = next(n for n in ("C++ AMX tiles (attention=cpu, the default here)", "C++ vector (attention=cpu)")
+        name = next(n for n in ("C++ AMX tiles (attention=cpu, the default here)", vector_name())
                     if calls[16].get(n))
         floor_name = "read floor (read_blocks: the same reads, no arithmetic)"
         n = {bs: max(CALLS, min(c.sets, 64)) for bs, c in caches.items()}
@@ -276,6 +292,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.decode_attention")
     ap.add_argument("--out", default="reports/decode-attention")
     ap.add_argument("--prefill-only", action="store_true", help="only the prefill table (a minute)")
+    ap.add_argument("--block-size", type=int, default=16,
+                    help="tokens per KV block in the main table (the engine's CPU default is 64; 16 kept the "
+                         "earlier reports comparable)")
     ap.add_argument("--block-sizes", action="store_true",
                     help="only the block-size table (decode at blocks of 16 to 128; a few minutes)")
     args = ap.parse_args(argv)
@@ -307,20 +326,20 @@ def main(argv=None) -> int:
         return 0
     lines = [f"# Decode attention against the KV-read floor\n\n- machine: {rates['cpu']}, {rates['cores']} cores, "
              f"torch {rates['torch']}, last-level cache {llc / 2**20:.0f} MB; SmolLM2 geometry (9 heads, 3 KV heads, "
-             "head_dim 64), blocks of 16 scattered over a pool, on 2 MB pages where Linux gives them (as the engine's "
+             f"head_dim 64), blocks of {args.block_size} scattered over a pool, on 2 MB pages where Linux gives them (as the engine's "
              f"caches, `attention.huge_pages`: here {huge_pages.mode()} THP), the default kernel once more on 4 KB pages\n"
              f"- cold: each call reads blocks no recent call read (the calls cycle through block tables over a pool of "
              f"{span / 2**20:.0f} MB, twice the LLC), as a model's 30 layers of caches are read; resident: one cache "
              "re-read (the kernel's compute ceiling, not a figure an engine sees)\n"
              f"- {ROUNDS} rounds per row, each the median of its calls, beside a read-bandwidth probe (a sum over "
              f"{probe.numel() * 4 / 2**20:.0f} MB) taken just before it; the shares are medians of the rounds' ratios\n"
-             "- made by `python -m benchmarks.decode_attention`\n",
+             f"- made by `python -m benchmarks.decode_attention{' --block-size ' + str(args.block_size) if args.block_size != 16 else ''}`\n",
              "| sequences x context | implementation | ms (cold) | GB/s of K+V read (cold) | probe GB/s | "
              "share of the probe | share of the read floor | GB/s resident |",
              "|---|---|---|---|---|---|---|---|"]
     results = []
     for b, ctx, dtype in CASES:
-        rows = case(b, ctx, dtype, probe, span)
+        rows = case(b, ctx, dtype, probe, span, args.block_size)
         results += rows
         for r in rows:
             floor = f"{r['share_of_floor'] * 100:.0f} %" if r["share_of_floor"] else "-"

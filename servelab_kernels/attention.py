@@ -62,11 +62,20 @@ def write_kv(
 
 
 def _blocks(cache: torch.Tensor, scales: torch.Tensor | None, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Gather whole blocks [n, kvh, bs, d], dequantized to `dtype` when the cache is int8."""
+    """Gather whole blocks [n, kvh, bs, d] in `dtype`, dequantized when the cache is int8."""
     x = torch.index_select(cache, 0, ids)
     if scales is None:
-        return x
+        return x.to(dtype)
     return x.to(dtype) * torch.index_select(scales, 0, ids).to(dtype)[..., None]
+
+
+def compute_dtype(q: torch.Tensor, k_cache: torch.Tensor) -> torch.dtype:
+    """The dtype attention multiplies in: the cache's, unless the cache only stores narrower values
+    than the queries carry (INT8, or a bf16 cache under an fp32 model: `cache.dtype`), whose blocks
+    are widened to the queries' dtype instead."""
+    if k_cache.dtype == torch.int8 or k_cache.element_size() < q.element_size():
+        return q.dtype
+    return k_cache.dtype
 
 
 def pack_decode_blocks(block_tables: torch.Tensor, context_lens: torch.Tensor,
@@ -91,7 +100,7 @@ def decode_attention(
     group = num_heads // kvh
     ids, owner, first_pos = packed if packed is not None else pack_decode_blocks(block_tables, context_lens, block_size)
     n = ids.numel()
-    dtype = q.dtype if k_cache.dtype == torch.int8 else k_cache.dtype
+    dtype = compute_dtype(q, k_cache)
     keys = _blocks(k_cache, k_scale, ids, dtype).view(n * kvh, block_size, d)
     values = _blocks(v_cache, v_scale, ids, dtype).view(n * kvh, block_size, d)
     qb = q.to(keys.dtype).view(b, kvh, group, d).index_select(0, owner).view(n * kvh, group, d)
@@ -175,7 +184,7 @@ def prefill_attention(
     if groups is None:
         starts, ctxs = host if host is not None else (query_start_loc.tolist(), context_lens.tolist())
         groups = plan_prefill(block_tables, starts, ctxs, k_cache.shape[2])
-    dtype = q.dtype if k_cache.dtype == torch.int8 else k_cache.dtype
+    dtype = compute_dtype(q, k_cache)
     kvh, bs, d = k_cache.shape[1:]
     out = torch.empty_like(q)
     for g in groups:

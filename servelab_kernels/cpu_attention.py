@@ -1,11 +1,13 @@
 """Paged decode attention for the CPU in C++: the twin of servelab_kernels.attention.decode_attention.
 
-One pass over each sequence's blocks, read in place through its block table (no gathered copy,
-the next-but-one block prefetched), for all of a KV head's query heads at once (GQA without
-repeating KV), with an online softmax in fp32; bf16, fp32 and the INT8 cache (per-token scales)
-are read as stored. Sequences x KV heads run in parallel on ATen's thread pool. On AVX-512
-machines tiles of 16 keys go through vector code (bf16 q.k as AVX512-BF16 pair products where the
-CPU has them, P.V too); elsewhere a portable loop serves. On CPUs with AMX-BF16 tiles a bf16 cache
+Each sequence's blocks are read in place through its block table (no gathered copy, the block
+after next prefetched), for all of a KV head's query heads at once (GQA without repeating KV), the
+softmax in fp32; bf16, fp32 and the INT8 cache (per-token scales) are read as stored. Sequences x
+KV heads run in parallel on ATen's thread pool. On AVX-512 machines tiles of 16 keys go through
+vector code (bf16 and INT8 in two passes, q.k and P.V as AVX512-BF16 pair products where the CPU
+has them); on x86 CPUs without AVX-512 all three caches take an AVX2 + FMA kernel in two passes,
+8-key tiles, fp32 arithmetic (csrc/cpu_decode_avx2.cpp, `avx2_decode`); elsewhere, and in the
+portable build (`attention.decode=portable`), a plain loop with an online softmax serves. On CPUs with AMX-BF16 tiles a bf16 cache
 (block size a multiple of 16, head_dim a multiple of 64) is read by a tile kernel instead: two
 passes, S = Q.K^T then the exact softmax then P.V, both products on the tiles (`amx_decode`).
 
@@ -21,7 +23,8 @@ exact softmax down the keys a row per lane, then P.V on the tiles against value 
 per (sequence, KV head); it beats PyTorch's CPU flash attention, which runs its GEMMs on the tiles
 too (`sdpa_prefill_wins`), by 1.4-2.4x.
 
-The source is csrc/cpu_attention.cpp with csrc/cpu_prefill.cpp, built
+The source is csrc/cpu_attention.cpp (after csrc/cpu_amx.cpp and csrc/cpu_decode_avx2.cpp) with
+csrc/cpu_prefill.cpp, built
 once per machine with torch's cpp_extension (about half a minute, cached under
 ~/.cache/torch_extensions, keyed by the source and the CPU's flags); `available()` says whether
 it built, and the torch reference serves where it did not.
@@ -37,9 +40,10 @@ from servelab_kernels.cpp_build import build, has_amx, namespace
 def load(portable: bool = False):
     """The compiled module (built on first use, then cached per machine), or None if it cannot build.
     `portable`: without the AVX-512 code, as machines without it build it (for tests)."""
-    return build("cpu_attention", portable, parts=("cpu_prefill",), prelude=("cpu_amx",),
+    return build("cpu_attention", portable, parts=("cpu_prefill",), prelude=("cpu_amx", "cpu_decode_avx2"),
                  functions=["paged_decode", "write_kv", "write_and_decode", "paged_prefill", "prefill_fast", "prefill_on_tiles",
-                            "set_amx_decode", "set_two_pass_decode", "amx_decode_ready", "set_amx_prefill", "read_blocks"])
+                            "set_amx_decode", "set_two_pass_decode", "amx_decode_ready", "set_amx_prefill", "read_blocks",
+                            "set_avx2_decode", "avx2_decode_built"])
 
 
 def write_kv(k, v, k_cache, v_cache, slot_mapping, portable=False) -> None:
@@ -80,6 +84,18 @@ def two_pass_decode(on: bool):
     return _switched("set_two_pass_decode", on)
 
 
+def avx2_decode(on: bool):
+    """Decode on CPUs without AVX-512 on the AVX2 two-pass kernel (on, the default where built) or the
+    portable loop (off) inside the block: for A/B runs and for tests of one against the other."""
+    return _switched("set_avx2_decode", on)
+
+
+def avx2_decode_built() -> bool:
+    """Whether this machine's build has the AVX2 decode kernel (x86 with AVX2 + FMA, no AVX-512)."""
+    module = load()
+    return module is not None and bool(module.avx2_decode_built())
+
+
 def amx_prefill(on: bool):
     """bf16 prefill on the AMX tile kernel (on, the default where ready) or the vector kernel / loop
     (off) inside the block: for A/B runs and for tests of one against the other."""
@@ -93,9 +109,10 @@ def read_blocks(k_cache, v_cache, block_tables, context_lens) -> int:
     return int(load().read_blocks(k_cache, v_cache, block_tables, context_lens)) % 2**64
 
 
-def write_and_decode_op() -> str:
-    """The qualified name of `write_and_decode` as a torch op (for callers in C++: csrc/cpu_decode.cpp)."""
-    return f"{namespace('cpu_attention', portable=False)}::write_and_decode"
+def write_and_decode_op(portable: bool = False) -> str:
+    """The qualified name of `write_and_decode` as a torch op (for callers in C++: csrc/cpu_decode.cpp),
+    of the portable build's module when `portable` (which must be loaded: load(portable=True))."""
+    return f"{namespace('cpu_attention', portable=portable)}::write_and_decode"
 
 
 def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale=None, v_scale=None, packed=None,

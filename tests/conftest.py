@@ -79,11 +79,19 @@ def _has_amx_bf16() -> bool:
     return cpu_attention.amx_decode_ready()
 
 
+def _has_avx2_decode() -> bool:
+    from servelab_kernels import cpu_attention
+
+    return cpu_attention.avx2_decode_built()
+
+
 # marker -> (whether this machine has the hardware, what a machine without it lacks)
 HARDWARE = {"cuda": (torch.cuda.is_available, "this machine has no CUDA device"),
             "amx": (_has_amx, "this CPU has no AMX-INT8 tiles"),
             "vnni": (_has_int_gemm, "this CPU has no AVX512-VNNI (no q8_gemm_int or q4_gemm_int in its build)"),
-            "amx_bf16": (_has_amx_bf16, "this CPU has no AMX-BF16 tiles")}
+            "amx_bf16": (_has_amx_bf16, "this CPU has no AMX-BF16 tiles"),
+            "avx2": (_has_avx2_decode, "this CPU is not x86 with AVX2 + FMA and without AVX-512, where the AVX2 "
+                                       "decode kernel is built (AVX-512 CPUs run their own)")}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -148,3 +148,21 @@ def test_cpu_feature_flags_are_read_from_cpuinfo():
     flags = defaults.cpu_feature_flags()
     text = open("/proc/cpuinfo").read()
     assert flags and all(f in text for f in flags)
+
+
+@pytest.mark.parametrize("value", ["fp16", "fp8"])
+def test_an_unknown_kv_cache_dtype_is_refused_with_the_choices(value):
+    with pytest.raises(ConfigError, match=f"cache.dtype must be auto, fp32, bf16 or int8, got '{value}'"):
+        engine_config(compose([f"cache.dtype={value}"]))
+
+
+@pytest.mark.parametrize("cache, model, want", [("auto", "fp32", torch.float32), ("bf16", "fp32", torch.bfloat16),
+                                                ("fp32", "bf16", torch.float32), ("int8", "bf16", torch.int8)])
+def test_the_kv_cache_dtype_is_the_models_unless_named(cache, model, want):
+    from core.engine.components import kv_cache_spec
+    from core.model.llama import ModelArgs
+
+    ec = engine_config(compose([f"cache.dtype={cache}", f"model.dtype={model}"]))
+    spec = kv_cache_spec(ec, ModelArgs(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
+                                       num_heads=4, num_kv_heads=2, head_dim=16))
+    assert spec.dtype == want

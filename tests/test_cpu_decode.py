@@ -70,6 +70,7 @@ CASES = {  # name: overrides on a tiny model (2 layers, hidden 64, 4 heads, 2 KV
     "int8-fp32": ["model.dtype=fp32", "quant=int8"],
     "int8-w8a8": ["model.dtype=bf16", "quant=int8", "quant.w8a8=true"],  # the INT8 activations' levels passed on
     "kv-int8": ["model.dtype=bf16", "cache.dtype=int8"],  # the cache quantized as the plan writes it
+    "kv-bf16-fp32": ["model.dtype=fp32", "cache.dtype=bf16"],  # an fp32 model over a bf16 cache
 }
 
 

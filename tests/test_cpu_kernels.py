@@ -85,6 +85,76 @@ def test_write_and_decode_quantizes_an_int8_cache_as_the_reference_does(portable
         cpu_attention.load(portable).write_and_decode(q, k, v, kc, vc, slots, bt, lens, 0.125, None, None)
 
 
+@pytest.mark.avx2
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("group, d, block_size", [(3, 64, 64), (4, 128, 16), (8, 64, 8), (5, 128, 32), (1, 64, 16)])
+def test_avx2_decode_matches_the_reference_and_the_portable_loop(group, d, block_size, dtype):
+    # 1 and 7 end inside the first 8-key tile, 9 just past it, 63 / 65 on either side of a 64-key
+    # block's end, 300 several blocks; groups 1-8 have their own code (4-6 and 7-8 narrower slices)
+    ctx_lens = [1, 7, 9, 63, 65, 300]
+    kc, vc, scales, bt = scattered_kv_cache(ctx_lens, 2, d, dtype, seed=group, block_size=block_size,
+                                            num_blocks=64 * 16 // block_size)
+    bt, lens = torch.cat([bt, bt[:1]]), torch.tensor(ctx_lens + [0])  # and a padding row of no context
+    q = torch.randn(len(lens), 2 * group, d, generator=torch.Generator().manual_seed(5))
+    assert cpu_attention.avx2_decode_built()
+    got = cpu_attention.decode_attention(q, kc, vc, bt, lens, 0.125, *scales)
+    with cpu_attention.avx2_decode(False):
+        loop = cpu_attention.decode_attention(q, kc, vc, bt, lens, 0.125, *scales)
+    want = ref.decode_attention(q[:-1], kc, vc, bt[:-1], lens[:-1], 0.125, *scales)
+    # the reference multiplies a bf16 cache in bf16; the kernel widens it to fp32, as the loop does
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(got[:-1], want, atol=tol, rtol=tol)
+    # the same fp32 products as the loop, summed in another order and with the exact softmax's max
+    torch.testing.assert_close(got, loop, atol=2e-6, rtol=1e-5)
+    assert torch.equal(got[-1], torch.zeros_like(got[-1]))  # an empty context attends over nothing
+    assert not torch.equal(got, cpu_attention.decode_attention(q, kc, vc, bt, lens, 0.25, *scales))  # it reads its inputs
+    if scales:  # and the scales: a key's on its scores, a value's on its row
+        for i in (0, 1):
+            doubled = [s.clone() for s in scales]
+            doubled[i] *= 2
+            assert not torch.allclose(got, cpu_attention.decode_attention(q, kc, vc, bt, lens, 0.125, *doubled))
+
+
+@pytest.mark.avx2
+@pytest.mark.parametrize("group, d, block_size", [(9, 64, 16), (3, 64, 4), (3, 32, 16)])
+def test_avx2_decode_leaves_what_it_does_not_serve_to_the_loop(group, d, block_size):
+    """Over 8 query heads a KV head, blocks not a multiple of 8 keys, a head_dim other than 64 / 128:
+    the portable loop's result, bit for bit."""
+    kc, vc, _, bt = scattered_kv_cache([5, 40], 1, d, torch.float32, seed=2, block_size=block_size,
+                                       num_blocks=64 * 16 // block_size)
+    q, lens = torch.randn(2, group, d, generator=torch.Generator().manual_seed(6)), torch.tensor([5, 40])
+    got = cpu_attention.decode_attention(q, kc, vc, bt, lens, 0.125)
+    with cpu_attention.avx2_decode(False):
+        assert torch.equal(got, cpu_attention.decode_attention(q, kc, vc, bt, lens, 0.125))
+    torch.testing.assert_close(got, ref.decode_attention(q, kc, vc, bt, lens, 0.125), atol=1e-5, rtol=1e-5)
+
+
+def test_a_bf16_cache_under_an_fp32_model(tiny_dirs):
+    """cache.dtype=bf16 stores K and V in bf16 while the model computes in fp32: the C++ kernels and
+    the torch reference widen the same stored values, so their logits agree to fp32 rounding, and
+    both stay within bf16's rounding of the fp32 cache's."""
+    from core.config.compose import compose
+    from core.engine.components import engine_config
+    from core.engine.engine import Engine
+    from core.model.quantize import forward_prompt
+
+    prompt = [5, 17, 99, 3, 42, 8, 61] * 6
+
+    def logits(*overrides):
+        e = Engine(engine_config(compose([f"model.path={tiny_dirs['llama']}", "model.dtype=fp32",
+                                          "cache.block_size=16", "cache.memory_gb=0.01", *overrides])))
+        caches = e.attention.allocate_kv_cache(8, 16, e.kv_spec, e.device)
+        return forward_prompt(e.model, prompt, e.attention, e.kv_spec).float(), caches[0][0].dtype, e.kv_spec
+
+    cpp, cache_dtype, spec = logits("attention=cpu", "cache.dtype=bf16")
+    torch_ref, _, _ = logits("attention=torch", "cache.dtype=bf16")
+    fp32, fp32_cache, fp32_spec = logits("attention=cpu")
+    assert cache_dtype == torch.bfloat16 and fp32_cache == torch.float32
+    assert spec.bytes_per_token * 2 == fp32_spec.bytes_per_token
+    torch.testing.assert_close(cpp, torch_ref, atol=1e-4, rtol=1e-4)
+    assert 0 < (cpp - fp32).abs().max() < 5e-2
+
+
 @pytest.mark.amx_bf16
 @pytest.mark.parametrize("group, d, block_size", [(3, 64, 16), (8, 128, 32), (16, 64, 16)])
 def test_amx_decode_matches_the_reference_and_the_vector_kernel(group, d, block_size):
@@ -172,6 +242,38 @@ def test_an_unknown_attention_prefill_is_refused_when_the_config_is_read():
 
     with pytest.raises(ConfigError, match="attention.prefill must be auto, cpp or sdpa, got 'flash'"):
         get_registry().config("attention", {"name": "auto", "prefill": "flash"})
+
+
+def test_an_unknown_attention_decode_is_refused_when_the_config_is_read():
+    from core.engine.registry import get_registry
+
+    with pytest.raises(ConfigError, match="attention.decode must be auto or portable, got 'avx2'"):
+        get_registry().config("attention", {"name": "cpu", "decode": "avx2"})
+
+
+def test_attention_decode_portable_runs_the_portable_builds_kernel_with_the_same_tokens(tiny_dirs):
+    """The A/B switch: decode steps (the native plan's op and the eager path's rows) on the portable
+    loop, the same greedy tokens as this CPU's own kernel in fp32."""
+    from core.config.compose import compose
+    from core.engine.components import engine_config
+    from core.engine.engine import Engine
+    from core.engine.types import SamplingParams
+
+    prompts = [[5, 17, 99, 3, 42, 8, 61] * 3, [120, 7], list(range(30, 70))]
+
+    def run(decode, native):
+        e = Engine(engine_config(compose([f"model.path={tiny_dirs['llama']}", "model.dtype=fp32", "attention=cpu",
+                                          f"attention.decode={decode}", f"backend.native_decode={native}",
+                                          "cache.memory_gb=0.01"])))
+        outs = e.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+        return e.attention, [o.outputs[0].token_ids for o in outs]
+
+    auto, want = run("auto", "true")
+    portable, got = run("portable", "true")
+    assert got == want and run("portable", "false")[1] == want
+    assert portable.decode_op(()) == "servelab_cpu_attention_portable::write_and_decode"
+    assert auto.decode_op(()) == "servelab_cpu_attention::write_and_decode"
+    assert portable.decode_kernels is cpu_attention.load(portable=True) and auto.decode_kernels is cpu_attention.load()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8, torch.float32])

@@ -10,14 +10,14 @@ import pytest
 def test_eval_reports_quality_size_and_speed(tiny_llama, tmp_path):
     r = subprocess.run([
         sys.executable, "-m", "core", "eval", f"model.path={tiny_llama}", "model.max_model_len=128",
-        "eval.only=[bf16,int8,kv-int8]", "eval.new_tokens=4", "eval.ppl_windows=2", "eval.ppl_window_len=24",
+        "eval.only=[bf16,int8,kv-int8,kv-bf16]", "eval.new_tokens=4", "eval.ppl_windows=2", "eval.ppl_window_len=24",
         "eval.speed_new_tokens=3", "eval.speed_batches=[1,4]", f"eval.report_dir={tmp_path}", "eval.name=t",
     ], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     rep = json.loads((tmp_path / "t" / "report.json").read_text())
     res = rep["results"]
-    assert set(res) == {"baseline", "bf16", "int8", "kv-int8"}
-    for name in ("bf16", "int8", "kv-int8"):  # each variant differs from fp32, a little (tiny random model)
+    assert set(res) == {"baseline", "bf16", "int8", "kv-int8", "kv-bf16"}
+    for name in ("bf16", "int8", "kv-int8", "kv-bf16"):  # each variant differs from fp32, a little (tiny random model)
         for cat in ("chat", "code", "math"):
             c = res[name]["categories"][cat]
             assert 0 < c["kl"] < 0.2, (name, cat, c)
@@ -25,6 +25,9 @@ def test_eval_reports_quality_size_and_speed(tiny_llama, tmp_path):
         assert set(res[name]["decode_tok_s"]) == {"1", "4"}
     assert res["int8"]["weight_bytes"] < 0.75 * res["bf16"]["weight_bytes"]  # tiny: embeddings dominate
     assert res["kv-int8"]["kv_bytes_per_token"] < 0.6 * res["bf16"]["kv_bytes_per_token"]
+    # an fp32 model over a bf16 cache: the bf16 model's KV bytes, half the fp32 baseline's
+    assert res["kv-bf16"]["kv_bytes_per_token"] * 2 == res["baseline"]["kv_bytes_per_token"] == \
+        2 * res["bf16"]["kv_bytes_per_token"]
     assert "| int8 (`quant=int8`) |" in (tmp_path / "t" / "report.md").read_text()
 
 

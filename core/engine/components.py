@@ -29,6 +29,10 @@ from core.runner.model_runner import ModelRunner
 
 log = logging.getLogger("servelab")
 
+# cache.dtype: auto (the model's), a float dtype the KV is stored in whatever the model computes in
+# (bf16 under an fp32 model: half the bytes a decode step reads, attention still in fp32), or INT8
+CACHE_DTYPES = ("auto", *DTYPE_NAMES, "int8")
+
 
 def engine_config(cfg: Any, registry: Registry | None = None) -> EngineConfig:
     """The engine's part of a composed config, every component section as its plugin's dataclass."""
@@ -75,8 +79,9 @@ def typed(config: EngineConfig, registry: Registry) -> EngineConfig:
 
 
 def validate(ec: EngineConfig) -> None:
-    if ec.cache.dtype not in ("auto", "int8"):
-        raise ConfigError(f"cache.dtype must be auto or int8, got '{ec.cache.dtype}'")
+    if ec.cache.dtype not in CACHE_DTYPES:
+        raise ConfigError(f"cache.dtype must be {', '.join(CACHE_DTYPES[:-1])} or {CACHE_DTYPES[-1]}, "
+                          f"got '{ec.cache.dtype}'")
     if ec.model.dtype not in DTYPE_NAMES:
         raise ConfigError(f"model.dtype must be auto, {' or '.join(DTYPE_NAMES)}, got '{ec.model.dtype}'")
     if ec.model.max_model_len < 2:
@@ -218,8 +223,9 @@ def _build_parts(config: EngineConfig, registry: Registry, loaded: LoadedModel |
 
 
 def kv_cache_spec(config: EngineConfig, args: ModelArgs) -> KVCacheSpec:
-    """The whole model's KV geometry at the configured cache dtype (int8, or the model's)."""
-    kv_dtype = torch.int8 if config.cache.dtype == "int8" else DTYPES[config.model.dtype]
+    """The whole model's KV geometry at the configured cache dtype (int8, bf16, fp32, or the model's)."""
+    name = config.model.dtype if config.cache.dtype == "auto" else config.cache.dtype
+    kv_dtype = torch.int8 if name == "int8" else DTYPES[name]
     return KVCacheSpec(args.num_layers, args.num_kv_heads, args.head_dim, kv_dtype, config.model.max_model_len)
 
 

@@ -1,6 +1,7 @@
 """Attention backend `cpu`: decode rows (and rows of up to 8 queries, such as speculative verifies,
 a query at a time) through the C++ paged kernel of servelab_kernels.cpu_attention (blocks read in place,
-GQA without repeated KV, online softmax), prefill chunks of a bf16 cache through the C++ paged
+GQA without repeated KV; AMX tiles, AVX-512 or AVX2 two-pass code where the CPU has them, a portable
+loop elsewhere or with `attention.decode=portable`), prefill chunks of a bf16 cache through the C++ paged
 prefill kernel (every chunk of the step in one call, causal over its cached prefix, read in
 place; about 2.5x PyTorch's CPU flash attention on a 512-token chunk where the CPU multiplies bf16
 with AVX512-BF16 pair products, 1.4-2.4x where it runs on AMX tiles), other caches through SDPA
@@ -9,6 +10,7 @@ the C++ kernel builds, the torch reference otherwise."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +21,7 @@ from servelab_kernels import cpu_attention
 from servelab_kernels.attention import prefill_attention
 
 PREFILL_CHOICES = ("auto", "cpp", "sdpa")
+DECODE_CHOICES = ("auto", "portable")
 
 
 @dataclass
@@ -30,6 +33,9 @@ class CPUAttentionConfig(AttentionConfig):
     # the KV cache on 2 MB pages where Linux gives them (servelab_kernels.huge_pages: fewer TLB misses
     # on the scattered blocks a decode step reads)
     huge_pages: bool = True
+    # decode rows: auto (this CPU's fastest kernel: AMX tiles, AVX-512, or the AVX2 two-pass kernel on
+    # CPUs without AVX-512) | portable (the plain C++ loop every CPU builds, for A/B runs)
+    decode: str = "auto"
 
     def __post_init__(self) -> None:  # checked when the config is read, before any model loads
         from core.api import ConfigError
@@ -37,10 +43,11 @@ class CPUAttentionConfig(AttentionConfig):
         if self.prefill not in PREFILL_CHOICES:
             raise ConfigError(f"attention.prefill must be {', '.join(PREFILL_CHOICES[:-1])} or {PREFILL_CHOICES[-1]}, "
                               f"got '{self.prefill}'")
+        if self.decode not in DECODE_CHOICES:
+            raise ConfigError(f"attention.decode must be {' or '.join(DECODE_CHOICES)}, got '{self.decode}'")
 
 
 class CPUAttention(TorchAttention):
-    decode_kernel = staticmethod(cpu_attention.decode_attention)
     pack_decodes = False
     # a speculative verify (1 + k queries) costs the C++ kernel k + 1 decode rows; CPU flash
     # attention spent about 1.2 ms a layer on such a row (measured at k = 4, 1,000 keys)
@@ -55,6 +62,10 @@ class CPUAttention(TorchAttention):
         self.prefill_choice = getattr(config, "prefill", "auto")
         super().__init__(config, device)
         self.kernels = cpu_attention.load()
+        self.portable_decode = getattr(config, "decode", "auto") == "portable"
+        # decode rows go to the portable build's kernel (its own module and op namespace) when asked
+        self.decode_kernels = cpu_attention.load(portable=True) if self.portable_decode else self.kernels
+        self.decode_kernel = functools.partial(cpu_attention.decode_attention, portable=self.portable_decode)
         self.fast_prefill = False  # set once the cache exists (cpp_prefill)
 
     def allocate_kv_cache(self, num_blocks, block_size, spec, device):
@@ -83,13 +94,14 @@ class CPUAttention(TorchAttention):
     def decode_op(self, kv_cache: tuple) -> str | None:
         """The torch op `forward` runs for a decode-only step on this layer's cache (a native decode
         plan calls it from C++): bf16, fp32 and INT8 caches (the last with its scales)."""
-        return cpu_attention.write_and_decode_op()
+        return cpu_attention.write_and_decode_op(portable=self.portable_decode)
 
     def forward(self, q, k, v, kv_cache: tuple, meta, scale: float):
         k_cache, v_cache, *scales = kv_cache
         if meta.plan.all_decode:  # one C++ call a layer: a decode step's attention is mostly call overhead
-            return self.kernels.write_and_decode(q, k, v, k_cache, v_cache, meta.slot_mapping, meta.block_tables,
-                                                 meta.context_lens, scale, *(scales or (None, None)))
+            return self.decode_kernels.write_and_decode(q, k, v, k_cache, v_cache, meta.slot_mapping,
+                                                        meta.block_tables, meta.context_lens, scale,
+                                                        *(scales or (None, None)))
         if scales:  # an int8 cache's prefill chunks: the torch path, which quantizes as it writes
             return super().forward(q, k, v, kv_cache, meta, scale)
         self.kernels.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)

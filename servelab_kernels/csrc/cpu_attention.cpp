@@ -729,6 +729,9 @@ static void dispatch(const float* q, const KV* kc, const KV* vc, const at::Half*
     }
   }
 #endif
+#if defined(SERVELAB_AVX2_DECODE)
+  if (decode_avx2(q, kc, vc, ks, vs, tables, ctx_lens, out, B, H, KVH, BS, D, W, stride_blk, scale)) return;
+#endif
   decode_kernel(q, kc, vc, ks, vs, tables, ctx_lens, out, B, H, KVH, BS, D, W, stride_blk, scale);
 }
 
