@@ -152,6 +152,7 @@ def run_eval(cfg: DictConfig, base_overrides: list[str]) -> int:
     base = Engine(engine_config(compose(base_overrides + list(ev.baseline))))
     prompts, reference, windows = _reference(base, ev)
     results = {"baseline": {"overrides": list(ev.baseline), "weight_bytes": weight_bytes(base.model),
+                            "kv_bytes_per_token": base.kv_spec.bytes_per_token,
                             **evaluate_variant(base, prompts, reference, windows)}}
     del base
     gc.collect()
