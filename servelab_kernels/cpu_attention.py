@@ -23,7 +23,8 @@ exact softmax down the keys a row per lane, then P.V on the tiles against value 
 per (sequence, KV head); it beats PyTorch's CPU flash attention, which runs its GEMMs on the tiles
 too (`sdpa_prefill_wins`), by 1.4-2.4x.
 
-The source is csrc/cpu_attention.cpp (after csrc/cpu_amx.cpp and csrc/cpu_decode_avx2.cpp) with
+The source is csrc/cpu_attention.cpp (after csrc/cpu_amx.cpp, csrc/cpu_read_ahead.cpp and
+csrc/cpu_decode_avx2.cpp) with
 csrc/cpu_prefill.cpp, built
 once per machine with torch's cpp_extension (about half a minute, cached under
 ~/.cache/torch_extensions, keyed by the source and the CPU's flags); `available()` says whether
@@ -40,7 +41,8 @@ from servelab_kernels.cpp_build import build, has_amx, namespace
 def load(portable: bool = False):
     """The compiled module (built on first use, then cached per machine), or None if it cannot build.
     `portable`: without the AVX-512 code, as machines without it build it (for tests)."""
-    return build("cpu_attention", portable, parts=("cpu_prefill",), prelude=("cpu_amx", "cpu_decode_avx2"),
+    return build("cpu_attention", portable, parts=("cpu_prefill",),
+                 prelude=("cpu_amx", "cpu_read_ahead", "cpu_decode_avx2"),
                  functions=["paged_decode", "write_kv", "write_and_decode", "paged_prefill", "prefill_fast", "prefill_on_tiles",
                             "set_amx_decode", "set_two_pass_decode", "amx_decode_ready", "set_amx_prefill", "read_blocks",
                             "set_avx2_decode", "avx2_decode_built"])

@@ -317,7 +317,8 @@ static void decode_kernel_avx512(const float* q, const KV* kc, const KV* vc, con
 // against each head's broadcast (p[t], p[t+1]), no accumulator ever rescaled. While a block computes,
 // the block after next is asked for into L2 (T1), a 16-key slice per tile; past the last key block
 // the same slots ask for the task's first value blocks, and the value pass's last two blocks for the
-// next task's first two key blocks. Cold caches on a 2-core Zen 4 (64 x 640 tokens, blocks of 64,
+// next task's first two key blocks (ReadAhead, csrc/cpu_read_ahead.cpp, which the AVX2 kernel shares).
+// Cold caches on a 2-core Zen 4 (64 x 640 tokens, blocks of 64,
 // rounds alternating): 1.5-1.6x the one-pass kernel above (its T0 burst at each block's start). Without
 // the prefetch the two passes ran at the one-pass kernel's speed, and the one-pass kernel with the same
 // T1 hint gained 1.11x: the passes' long runs of independent products are what the early reads feed.
@@ -372,6 +373,7 @@ static void decode_kernel_two_pass(const float* q, const KV* kc, const KV* vc, c
   int64_t max_ctx = 0;
   for (int64_t b = 0; b < B; ++b) max_ctx = std::max(max_ctx, ctx_lens[b]);
   const int64_t cap = (max_ctx + 31) / 32 * 32;  // a row of scores / probabilities, padded (P is read in pairs)
+  const ReadAhead<KV> ahead{kc, vc, tables, ctx_lens, KVH, BS, ND * 16, W, stride_blk};
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(G * cap), vscale(i8 ? cap : 0);
     std::vector<uint16_t> probs(G * cap);
@@ -379,7 +381,6 @@ static void decode_kernel_two_pass(const float* q, const KV* kc, const KV* vc, c
     __m512 dots[16];
     float inv[16];
     alignas(64) uint16_t widened[16 * D];  // an INT8 tile of keys, or two value rows, as bf16
-    auto pf = [](const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); };
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / KVH, h = task % KVH, ctx = ctx_lens[b];
       float* o0 = out + (b * H + h * G) * D;
@@ -393,30 +394,18 @@ static void decode_kernel_two_pass(const float* q, const KV* kc, const KV* vc, c
                                                     _mm512_loadu_ps(q + (b * H + h * G + g) * D + 32 * c));
       const int64_t* table = tables + b * W;
       const int64_t nblk = (ctx + BS - 1) / BS;
-      auto block = [&](const KV* cache, int64_t j) {
-        return reinterpret_cast<const char*>(cache + table[j] * stride_blk + h * BS * D);
-      };
       auto scales_of = [&](const at::Half* sc, int64_t j) { return sc + (table[j] * KVH + h) * BS; };
       // pass 1: scores
       const __m512 sc = _mm512_set1_ps(scale);
       for (int64_t j = 0; j < nblk; ++j) {
         const int64_t start = j * BS, n_keys = std::min(BS, ctx - start);
         const KV* kb = kc + table[j] * stride_blk + h * BS * D;
-        const char* next = j + 2 < nblk ? block(kc, j + 2) : j + 2 - nblk < std::min<int64_t>(2, nblk) ? block(vc, j + 2 - nblk) : nullptr;
-        const char* also = j == 0 && task == begin && nblk > 1 ? block(kc, 1) : nullptr;
-        if constexpr (i8) {
-          if (j + 2 < nblk) {  // and its scales
-            for (int64_t off = 0; off < BS * 2; off += 64) {
-              pf(reinterpret_cast<const char*>(scales_of(ks, j + 2)) + off);
-              pf(reinterpret_cast<const char*>(scales_of(vs, j + 2)) + off);
-            }
-          }
-        }
+        const char* next = ahead.during_keys(b, h, j, nblk);
+        const char* also = j == 0 && task == begin && nblk > 1 ? ahead.block(kc, b, h, 1) : nullptr;
+        if constexpr (i8) ahead.scales(ks, vs, b, h, j, nblk);
         for (int64_t t0 = 0; t0 < n_keys; t0 += 16) {
-          for (int64_t off = t0 * ROW; off < (t0 + 16) * ROW; off += 64) {
-            if (next) pf(next + off);
-            if (also) pf(also + off);
-          }
+          ReadAhead<KV>::slice(next, t0 * ROW, (t0 + 16) * ROW);
+          ReadAhead<KV>::slice(also, t0 * ROW, (t0 + 16) * ROW);
           const int n = static_cast<int>(std::min<int64_t>(16, n_keys - t0));
           const __mmask16 live = static_cast<__mmask16>(n == 16 ? 0xFFFF : (1u << n) - 1);
           const uint16_t* kt;
@@ -458,16 +447,9 @@ static void decode_kernel_two_pass(const float* q, const KV* kc, const KV* vc, c
         for (int64_t j = 0; j < nblk; ++j) {
           const int64_t start = j * BS, n_keys = std::min(BS, ctx - start);
           const KV* vb = vc + table[j] * stride_blk + h * BS * D + d0;
-          const char* next = nullptr;
-          if (d0 == 0 && j + 2 < nblk) {
-            next = block(vc, j + 2);
-          } else if (d0 == 0 && task + 1 < end) {  // the next task's first two key blocks
-            const int64_t nb = (task + 1) / KVH, nh = (task + 1) % KVH, u = j + 2 - nblk;
-            if (u * BS < ctx_lens[nb]) next = reinterpret_cast<const char*>(kc + tables[nb * W + u] * stride_blk + nh * BS * D);
-          }
+          const char* next = d0 == 0 ? ahead.during_values(task, end, j, nblk) : nullptr;
           for (int64_t t = 0; t < n_keys; t += 2) {
-            if (next && t % 16 == 0)
-              for (int64_t off = t * ROW; off < (t + 16) * ROW; off += 64) pf(next + off);
+            if (t % 16 == 0) ReadAhead<KV>::slice(next, t * ROW, (t + 16) * ROW);
             __m512i pair[4];
             const bool two = t + 1 < n_keys;
             if constexpr (i8) {

@@ -7,9 +7,8 @@
 // for a slice of the output dims in registers, each value row read once per slice. fp32, bf16 and
 // INT8 caches (per-token fp16 scales: a key's on its score, a value's folded into its probability
 // after the softmax's sum) all compute in fp32, so an fp32 cache gives the reference's values to
-// rounding. While a block computes, the block after next is asked for into L2 (T1), an 8-key slice
-// per tile; past the last key block the same slots ask for the first value blocks, and the value
-// pass for the next task's first key blocks.
+// rounding. While a block computes, the block after next is asked for into L2, an 8-key slice per
+// tile (ReadAhead, csrc/cpu_read_ahead.cpp, the AVX-512 kernel's schedule).
 //
 // Why it exists: the portable loop reads each block into a buffer, then computes on it with no read
 // in flight, and runs at about half the KV-read floor with an fp32 cache on a 2-core Zen 3 (64
@@ -111,12 +110,12 @@ static void decode_two_pass_avx2(const float* q, const KV* kc, const KV* vc, con
   int64_t max_ctx = 0;
   for (int64_t b = 0; b < B; ++b) max_ctx = std::max(max_ctx, ctx_lens[b]);
   const int64_t cap = (max_ctx + 7) / 8 * 8;
+  const ReadAhead<KV> ahead{kc, vc, tables, ctx_lens, KVH, BS, D, W, stride_blk};
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> probs(G * cap), vscale(i8 ? cap : 0);
     alignas(32) float qs[G * D];       // the queries times the scale, in row_chunk's order
     alignas(32) float widened[8 * D];  // a tile of INT8 keys as fp32
     alignas(32) float acc[G * D];      // the outputs (row_chunk's order), a slice at a time in registers
-    auto pf = [](const char* p) { _mm_prefetch(p, _MM_HINT_T1); };
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / KVH, h = task % KVH, ctx = ctx_lens[b];
       float* o0 = out + (b * H + h * G) * D;
@@ -129,28 +128,17 @@ static void decode_two_pass_avx2(const float* q, const KV* kc, const KV* vc, con
           for (int i = 0; i < 8; ++i) qs[g * D + 8 * c + i] = q[(b * H + h * G + g) * D + lane_dim<KV>(c, i)] * scale;
       const int64_t* table = tables + b * W;
       const int64_t nblk = (ctx + BS - 1) / BS;
-      auto block = [&](const KV* cache, int64_t j) {
-        return reinterpret_cast<const char*>(cache + table[j] * stride_blk + h * BS * D);
-      };
       auto scales_of = [&](const at::Half* s, int64_t j) { return s + (table[j] * KVH + h) * BS; };
       // pass 1: scores
       for (int64_t j = 0; j < nblk; ++j) {
         const int64_t start = j * BS, n_keys = std::min(BS, ctx - start);
         const KV* kb = kc + table[j] * stride_blk + h * BS * D;
-        const char* next = j + 2 < nblk ? block(kc, j + 2) : j + 2 - nblk < std::min<int64_t>(2, nblk) ? block(vc, j + 2 - nblk) : nullptr;
-        const char* also = j == 0 && task == begin && nblk > 1 ? block(kc, 1) : nullptr;
-        if constexpr (i8) {
-          if (j + 2 < nblk)
-            for (int64_t off = 0; off < BS * 2; off += 64) {
-              pf(reinterpret_cast<const char*>(scales_of(ks, j + 2)) + off);
-              pf(reinterpret_cast<const char*>(scales_of(vs, j + 2)) + off);
-            }
-        }
+        const char* next = ahead.during_keys(b, h, j, nblk);
+        const char* also = j == 0 && task == begin && nblk > 1 ? ahead.block(kc, b, h, 1) : nullptr;
+        if constexpr (i8) ahead.scales(ks, vs, b, h, j, nblk);
         for (int64_t t0 = 0; t0 < n_keys; t0 += 8) {
-          for (int64_t off = t0 * ROW; off < (t0 + 8) * ROW; off += 64) {
-            if (next) pf(next + off);
-            if (also) pf(also + off);
-          }
+          ReadAhead<KV>::slice(next, t0 * ROW, (t0 + 8) * ROW);
+          ReadAhead<KV>::slice(also, t0 * ROW, (t0 + 8) * ROW);
           const int n = static_cast<int>(std::min<int64_t>(8, n_keys - t0));
           float* dst = probs.data() + start + t0;
           auto tile = [&](const auto* kt) {
@@ -218,20 +206,13 @@ static void decode_two_pass_avx2(const float* q, const KV* kc, const KV* vc, con
       for (int64_t j = 0; j < nblk; ++j) {
         const int64_t start = j * BS, n_keys = std::min(BS, ctx - start);
         const KV* vb = vc + table[j] * stride_blk + h * BS * D;
-        const char* next = nullptr;
-        if (j + 2 < nblk) {
-          next = block(vc, j + 2);
-        } else if (task + 1 < end) {  // the next task's first two key blocks
-          const int64_t nb = (task + 1) / KVH, nh = (task + 1) % KVH, u = j + 2 - nblk;
-          if (u * BS < ctx_lens[nb]) next = reinterpret_cast<const char*>(kc + tables[nb * W + u] * stride_blk + nh * BS * D);
-        }
+        const char* next = ahead.during_values(task, end, j, nblk);
         for (int c0 = 0; c0 < ND; c0 += CH) {
           __m256 a[G * CH];
           for (int g = 0; g < G; ++g)
             for (int c = 0; c < CH; ++c) a[g * CH + c] = _mm256_load_ps(acc + g * D + 8 * (c0 + c));
           for (int64_t t = 0; t < n_keys; ++t) {
-            if (next && c0 == 0 && t % 8 == 0)
-              for (int64_t off = t * ROW; off < (t + 8) * ROW; off += 64) pf(next + off);
+            if (c0 == 0 && t % 8 == 0) ReadAhead<KV>::slice(next, t * ROW, (t + 8) * ROW);
             __m256 p[G];
             for (int g = 0; g < G; ++g) p[g] = _mm256_broadcast_ss(probs.data() + g * cap + start + t);
             for (int c = 0; c < CH; ++c) {
