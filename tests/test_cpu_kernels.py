@@ -29,6 +29,18 @@ def test_decode_matches_the_reference(group, d, dtype, portable):
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
+def assert_reads_the_scale_and_the_scales(got, q, kc, vc, bt, lens, scales, same):
+    """`got` (decode at scale 0.125, its last row a padding row of no context) is zeros on that row and
+    changes, by `same`'s measure, with the scale and with either INT8 scale tensor doubled."""
+    assert torch.equal(got[-1], torch.zeros_like(got[-1]))  # an empty context attends over nothing
+    assert not same(got, cpu_attention.decode_attention(q, kc, vc, bt, lens, 0.25, *scales))  # it reads its inputs
+    if scales:  # and the scales: a key's on its scores, a value's on its row
+        for i in (0, 1):
+            doubled = [s.clone() for s in scales]
+            doubled[i] *= 2
+            assert not same(got, cpu_attention.decode_attention(q, kc, vc, bt, lens, 0.125, *doubled))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
 @pytest.mark.parametrize("group, d, block_size", [(3, 64, 64), (4, 128, 16), (16, 128, 64), (6, 64, 32)])
 def test_two_pass_decode_matches_the_reference_and_the_one_pass_kernel(group, d, block_size, dtype):
@@ -49,13 +61,7 @@ def test_two_pass_decode_matches_the_reference_and_the_one_pass_kernel(group, d,
     # one and rounded to bf16 (the one-pass kernel keeps an INT8 cache's in fp32): a few units in the
     # last place apart
     torch.testing.assert_close(two.float(), one.float(), atol=2e-2, rtol=1.6e-2)
-    assert torch.equal(two[-1], torch.zeros_like(two[-1]))  # an empty context attends over nothing
-    assert not torch.equal(two, cpu_attention.decode_attention(q, kc, vc, bt, lens, 0.25, *scales))  # it reads its inputs
-    if scales:  # and the scales: a key's on its scores, a value's on its row
-        for i in (0, 1):
-            doubled = [s.clone() for s in scales]
-            doubled[i] *= 2
-            assert not torch.equal(two, cpu_attention.decode_attention(q, kc, vc, bt, lens, 0.125, *doubled))
+    assert_reads_the_scale_and_the_scales(two, q, kc, vc, bt, lens, scales, torch.equal)
 
 
 @pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])  # AVX-512 lanes and the loop
@@ -106,13 +112,7 @@ def test_avx2_decode_matches_the_reference_and_the_portable_loop(group, d, block
     torch.testing.assert_close(got[:-1], want, atol=tol, rtol=tol)
     # the same fp32 products as the loop, summed in another order and with the exact softmax's max
     torch.testing.assert_close(got, loop, atol=2e-6, rtol=1e-5)
-    assert torch.equal(got[-1], torch.zeros_like(got[-1]))  # an empty context attends over nothing
-    assert not torch.equal(got, cpu_attention.decode_attention(q, kc, vc, bt, lens, 0.25, *scales))  # it reads its inputs
-    if scales:  # and the scales: a key's on its scores, a value's on its row
-        for i in (0, 1):
-            doubled = [s.clone() for s in scales]
-            doubled[i] *= 2
-            assert not torch.allclose(got, cpu_attention.decode_attention(q, kc, vc, bt, lens, 0.125, *doubled))
+    assert_reads_the_scale_and_the_scales(got, q, kc, vc, bt, lens, scales, torch.allclose)
 
 
 @pytest.mark.avx2
