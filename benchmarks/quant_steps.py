@@ -9,7 +9,9 @@ against the unquantized model (> 1: faster). Where many-row INT8 steps run an in
 or oneDNN's INT8 GEMM on AVX512-VNNI), `int8` also runs without it (`int8 (dequantized GEMM)`,
 servelab_kernels.cpu_quant.int_gemm(False): the weight dequantized to bf16 for each call), side by
 side; where INT4 steps do (q4_gemm_int, AVX512-VNNI), `gguf` and `int4` the same. `--unpacked` adds
-each INT8 quantizer without its VNNI weight copy (`(oneDNN INT8 GEMM)`, servelab_kernels.int8_pack). A whole `compare`
+each INT8 quantizer without its packed weight copy (`(no packed copy)`, servelab_kernels.int8_pack: on
+AVX512-VNNI oneDNN's INT8 GEMM over the plain weight, on AVX2 the GEMV up to 16 rows and fp32 panels of
+the dequantized weight above, where the copy runs the vpmaddwd GEMM). A whole `compare`
 runs its configurations one after the other, and on a shared 2-core machine their order can move a
 5 % ratio. Writes reports/quant-steps/report.{md,json}.
 """
@@ -45,7 +47,7 @@ def alternating(steps: dict, n: int) -> dict:
 
 
 NO_INT = " (dequantized GEMM)"  # an engine stepped with servelab_kernels.cpu_quant.int_gemm(False)
-NO_PACK = " (oneDNN INT8 GEMM)"  # INT8 layers made without their VNNI copy (servelab_kernels.int8_pack)
+NO_PACK = " (no packed copy)"  # INT8 layers made without their packed copy (servelab_kernels.int8_pack)
 NO_DOT = " (14-bit VNNI GEMM)"  # W8A16 stepped with servelab_kernels.cpu_quant.bf16_dot(False)
 # names beside the quantizers' own: their overrides
 ALIASES = {"int8-w8a8": ["quant=int8", "quant.w8a8=true"],  # INT8 activations per token too
@@ -115,21 +117,21 @@ def measure(quants: list[str]) -> tuple[dict, str]:
     return cases, dtype
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.quant_steps")
-    ap.add_argument("--quant", nargs="+", default=["int8", "gguf"],
-                    help=f"quantizers beside bf16 (or {', '.join(ALIASES)})")
-    ap.add_argument("--out", default="reports/quant-steps")
-    ap.add_argument("--unpacked", action="store_true",
-                    help="INT8 quantizers also without their VNNI weight copy (oneDNN's INT8 GEMM), side by side")
-    args = ap.parse_args(argv)
-    from core.bench.roofline import machine_info
+def legend(quants: list[str]) -> str:
+    """What each side-by-side variant in `quants` ran, on this machine's build."""
+    from servelab_kernels import int8_pack
 
-    quants = variants(args.quant)
-    if args.unpacked:
-        quants += [q + NO_PACK for q in args.quant if "quant=int8" in ALIASES.get(q, [f"quant={q}"])]
-    cases, dtype = measure(quants)
-    m = machine_info()
+    unpacked = ("oneDNN's INT8 GEMM over the plain weight" if int8_pack.layout() == "vnni" else
+                "the GEMV up to 16 rows, above them fp32 panels of the weight dequantized per call")
+    parts = {NO_INT: "stepped without the integer GEMM, the weight dequantized to bf16 for each many-row call, "
+                     "as CPUs without AMX or AVX512-VNNI run it",
+             NO_PACK: f"INT8 layers without their packed weight copy ({unpacked})",
+             NO_DOT: "W8A16 without the bf16 dot GEMM, two INT8 part rows a row at any number of rows"}
+    said = [f"`{suffix.strip()}`: {text}" for suffix, text in parts.items() if any(q.endswith(suffix) for q in quants)]
+    return "; ".join(["`none` is the unquantized model"] + said)
+
+
+def render(cases: dict, quants: list[str], dtype: str, m: dict) -> str:
     names = ["none"] + quants
     head = "| step | " + " | ".join(f"{q} ms" for q in names) + " | " + \
         " | ".join(f"{q} speed / none (range)" for q in quants) + " |"
@@ -138,16 +140,30 @@ def main(argv=None) -> int:
         rows.append(f"| {step} | " + " | ".join(f"{c[q]['ms']:.1f}" for q in names) + " | " +
                     " | ".join(f"{c[q]['speed_vs_none']:.3f}x ({c[q]['range'][0]:.2f}-{c[q]['range'][1]:.2f})"
                                for q in quants) + " |")
-    md = (f"# Quantized weights against bf16, in real engine steps\n\n"
-          f"- machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}\n"
-          f"- engines: the default (continuous + paged, model.dtype=auto: {dtype}) on the embedded model, one "
-          f"per quantizer (`none` is the unquantized model; `{NO_INT.strip()}`: stepped without the integer "
-          f"GEMM, the weight dequantized to bf16 for each many-row call, as CPUs without AMX or AVX512-VNNI run it; "
-          f"`{NO_PACK.strip()}`: INT8 layers without their VNNI weight copy; `{NO_DOT.strip()}`: W8A16 without "
-          f"the bf16 dot GEMM, two INT8 part rows a row at any number of rows); "
-          f"{ROUNDS} rounds, alternating\n"
-          f"- made by `python -m benchmarks.quant_steps`\n\n" + "\n".join(rows) + "\n")
-    write_report(args.out, md, {"machine": m, "rounds": ROUNDS, "cases": cases})
+    return (f"# Quantized weights against the unquantized model, in real engine steps\n\n"
+            f"- machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}\n"
+            f"- engines: the default (continuous + paged, model.dtype=auto: {dtype}) on the embedded model, one "
+            f"per quantizer ({legend(quants)}); {ROUNDS} rounds, alternating\n"
+            f"- made by `python -m benchmarks.quant_steps`\n\n" + "\n".join(rows) + "\n")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.quant_steps")
+    ap.add_argument("--quant", nargs="+", default=["int8", "gguf"],
+                    help=f"quantizers beside bf16 (or {', '.join(ALIASES)})")
+    ap.add_argument("--out", default="reports/quant-steps")
+    ap.add_argument("--unpacked", action="store_true",
+                    help="INT8 quantizers also without their packed weight copy (VNNI or AVX2 layout), side by side")
+    args = ap.parse_args(argv)
+    from core.bench.roofline import machine_info
+
+    quants = variants(args.quant)
+    if args.unpacked:
+        quants += [q + NO_PACK for q in args.quant if "quant=int8" in ALIASES.get(q, [f"quant={q}"])]
+    cases, dtype = measure(quants)
+    m = machine_info()
+    md = render(cases, quants, dtype, m)
+    write_report(args.out, md, {"machine": m, "rounds": ROUNDS, "dtype": dtype, "cases": cases})
     return 0
 
 

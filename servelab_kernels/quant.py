@@ -61,7 +61,7 @@ def int8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, a8: bool
     them, else the GEMV for few rows and a GEMM in x's precision over the weight dequantized on the fly
     for many), or aten's packed kernel and a bf16 GEMM where it did not build. a8: W8A8, the
     activations as INT8 per row (the C++ op's GEMV and one INT8 GEMM; its twin where it did not build).
-    packed: q as servelab_kernels.int8_pack lays it out, for the C++ op's VNNI GEMM."""
+    packed: q as servelab_kernels.int8_pack lays it out, for the C++ op's packed GEMM (VNNI or AVX2)."""
     if a8:
         if x.device.type == "cpu" and q.shape[1] % cpu_quant.GROUP == 0 and cpu_quant.available():
             return cpu_quant.q8_matmul(x, q, scales, cpu_quant.A8, packed)
@@ -129,10 +129,11 @@ class Int8Linear(nn.Module):
         cpu_kernel = fast and not use_triton(q)  # the packed CPU kernel takes bf16 scales; Triton reads fp32
         if cpu_kernel and q.device.type == "cpu":
             cpu_quant.available()  # built (or found built) now: its first call inside a torch.compile trace cannot build
-        # the weight laid out once for the VNNI GEMM (None where it does not apply: AMX tiles take W8A16's
-        # many rows from the plain weight); not saved with the model
+        # the weight laid out once for the build's packed GEMM, VNNI or AVX2's vpmaddwd (None where it
+        # does not apply: AMX tiles take W8A16's many rows from the plain weight); not saved with the model
         pack = cpu_kernel and q.device.type == "cpu" and (a8 or not cpu_quant.amx_ready())
-        self.register_buffer("packed", int8_pack.pack_vnni(q) if pack else None, persistent=False)
+        self.packing = int8_pack.packing_on()  # made inside `packing(False)` (quant.pack=false): so are its fusions
+        self.register_buffer("packed", int8_pack.pack(q) if pack else None, persistent=False)
         self.register_buffer("scales", scales.to(torch.bfloat16) if cpu_kernel else scales.float())
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.fast = fast
@@ -150,8 +151,9 @@ class Int8Linear(nn.Module):
             return None
         bias = None if mods[0].bias is None else torch.cat([m.bias.data for m in mods])
         # the scales as stored: the constructor's cast to its storage dtype is then a no-op
-        return cls(torch.cat([m.weight_q for m in mods]), torch.cat([m.scales for m in mods]), bias, mods[0].fast,
-                   mods[0].a8)
+        with int8_pack.packing(all(m.packing for m in mods)):
+            return cls(torch.cat([m.weight_q for m in mods]), torch.cat([m.scales for m in mods]), bias, mods[0].fast,
+                       mods[0].a8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

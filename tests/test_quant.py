@@ -82,6 +82,25 @@ def test_quant_w8a8_true_quantizes_the_activations_of_every_swapped_layer(tiny_d
     assert len(out.token_ids) == 6
 
 
+def test_quant_pack_false_serves_the_same_model_without_the_packed_copies(tiny_dirs):
+    from servelab_kernels import int8_pack
+
+    engines = {}
+    for pack in (True, False):
+        cfg = tiny_config(tiny_dirs["llama"])
+        cfg.model.dtype = "fp32"
+        cfg.quant = Int8QuantConfig(name="int8", pack=pack)
+        engines[pack] = Engine(cfg)
+    for pack, e in engines.items():
+        copies = [m.packed is not None for m in e.model.modules() if isinstance(m, Int8Linear)]
+        # the tiny model's layers: panels of 16 outputs and of 32 (but for its 3 x 16 kv projection), so
+        # this build's layout (if any) packs some; quant.pack=false none
+        assert any(copies) == (pack and int8_pack.layout() is not None), pack
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    outs = {p: e.generate([[5, 6, 7, 8]], params)[0].outputs[0].token_ids for p, e in engines.items()}
+    assert outs[True] == outs[False]  # the same integer sums (the GEMV's at one row), the same greedy tokens
+
+
 @pytest.mark.parametrize("n, k, group", [(64, 128, 32), (24, 100, 32), (16, 200, 64), (40, 576, 128), (13, 70, 32)])
 def test_int4_module_matches_dequantized_reference_on_odd_shapes(n, k, group):
     w = torch.randn(n, k, generator=g)

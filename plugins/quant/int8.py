@@ -10,7 +10,11 @@ the exact path runs two, faster for steps of many rows, at a measured cost in ac
 the weights, SmoothQuant's way, folded into the norms and the value / up projections so that the
 served model runs no extra op (core/model/smooth.py; alpha searched per group on calibration
 prompts). Its fast path is the CPU kernels' (AVX512-VNNI for the GEMM); on CUDA the
-torch twin computes it."""
+torch twin computes it.
+
+On the CPU each layer also keeps its weight laid out once for the build's integer GEMM (AVX512-VNNI's
+vpdpbusd, or AVX2's vpmaddwd on CPUs without AVX-512, where models run fp32): `quant.pack=false` runs
+without that copy (half the INT8 weights' memory; the GEMV and the build's other GEMMs), for A/B runs."""
 
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from core.api import (
     smooth_model,
     swap_linears,
 )
+from servelab_kernels import int8_pack
 from servelab_kernels.quant import Int8Linear
 
 
@@ -35,6 +40,7 @@ from servelab_kernels.quant import Int8Linear
 class Int8QuantConfig(QuantConfig):
     keep: list = field(default_factory=list)  # globs of layers kept in the model dtype (mixed precision)
     fast: bool = True  # false: the dequantize-and-matmul reference path
+    pack: bool = True  # false: no packed weight copy for the CPU's integer GEMM (VNNI / AVX2 vpmaddwd): A/B runs
     w8a8: bool = False  # INT8 activations too, one scale a token (dynamic): faster at many rows, less exact
     smooth: bool = False  # with w8a8: SmoothQuant-style scales, alpha searched per group on calibration prompts
     calibration_prompts: int = 16
@@ -60,7 +66,9 @@ class Int8Quantizer:
                     if isinstance(m, nn.Linear) and any(fnmatch(n, p) for p in self.keep)}
             prompts = calibration_prompts(self.tokenizer, self.config.calibration_prompts, self.config.calibration_len)
             self.report = smooth_model(model, prompts, skip=kept)
-        self.swapped = swap_linears(model, lambda name, lin: Int8Linear.from_linear(lin, self.fast, self.a8), self.keep)
+        with int8_pack.packing(self.config.pack):
+            self.swapped = swap_linears(model, lambda name, lin: Int8Linear.from_linear(lin, self.fast, self.a8),
+                                        self.keep)
         quantize_tied_embedding(model, self.swapped, bits=8)
         return model
 

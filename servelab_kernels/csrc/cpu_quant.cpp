@@ -539,6 +539,190 @@ torch::Tensor gemm(const torch::Tensor& x, int64_t N, int64_t K, Dequantize dequ
 }  // namespace fp32panel
 #endif
 
+// ---- INT8 weights packed once for vpmaddwd, times many rows (AVX2 without VNNI) ---------------
+//
+// Where the model runs fp32 on AVX2 (AMD Zen 2 / 3), the fp32 panels above multiply at the FMA
+// rate: 8 products an instruction. vpmaddwd multiplies 16 int16 pairs into 8 int32 lanes, twice
+// that per instruction, at the same issue rate: the GEMV's 14-bit activations (or W8A8's INT8 ones)
+// times the INT8 weights widened to int16, summed exactly. The weight is laid out once
+// (q8_pack_madd): per 16 outputs, K/2 lines of 16 x 2 consecutive inputs (32 bytes), so one 16-byte
+// load widened by vpmovsxbw holds 8 outputs' pairs and an activation pair (one dword) is broadcast
+// to them: each lane of an accumulator is one output, no horizontal sums. A register tile is 6 rows
+// x 16 outputs (12 accumulators, 2 weights, 1 broadcast: the 16 registers), as fp32tile's.
+// A lane's sum stays exact in int32 up to 2,064 inputs (8191 x 127 a product); longer rows are
+// summed in blocks of KB inputs added in int64 and rounded to float once, as the twin's double sum is.
+// The rows sweep a chunk of PC panels MB rows at a time, so the chunk's weights and the rows'
+// integers both stay in L2 (8 x 24 KB and 48 x 3 KB at K = 1,536) while a panel sits in L1.
+#ifdef SERVELAB_AVX2
+#define SERVELAB_MADD 1
+namespace q8madd {
+
+constexpr int MR = 6;           // activation rows of a register tile
+constexpr int64_t KB = 2048;    // inputs summed in int32 lanes before a block is added in int64
+constexpr int64_t MB = 48;      // activation rows swept over a chunk of panels at a time
+constexpr int64_t PC = 8;       // panels (of 16 outputs) a chunk
+
+template <int R>
+inline void tile(const int8_t* wp, const int16_t* a, int64_t K, int64_t k0, int64_t k1, int32_t* c) {
+  __m256i lo[R], hi[R];
+  _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) lo[r] = _mm256_setzero_si256(), hi[r] = _mm256_setzero_si256();
+  for (int64_t k = k0; k < k1; k += 2) {
+    const __m256i w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(wp + 16 * k)));
+    const __m256i w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(wp + 16 * k + 16)));
+    _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, a + r * K + k, 4);
+      const __m256i av = _mm256_set1_epi32(pair);
+      lo[r] = _mm256_add_epi32(lo[r], _mm256_madd_epi16(w0, av));
+      hi[r] = _mm256_add_epi32(hi[r], _mm256_madd_epi16(w1, av));
+    }
+  }
+  _Pragma("GCC unroll 8") for (int r = 0; r < R; ++r) {
+    _mm256_storeu_si256((__m256i*)(c + 16 * r), lo[r]);
+    _mm256_storeu_si256((__m256i*)(c + 16 * r + 8), hi[r]);
+  }
+}
+
+inline void rows(int64_t r, const int8_t* wp, const int16_t* a, int64_t K, int64_t k0, int64_t k1, int32_t* c) {
+  switch (r) {
+    case 1: tile<1>(wp, a, K, k0, k1, c); break;
+    case 2: tile<2>(wp, a, K, k0, k1, c); break;
+    case 3: tile<3>(wp, a, K, k0, k1, c); break;
+    case 4: tile<4>(wp, a, K, k0, k1, c); break;
+    case 5: tile<5>(wp, a, K, k0, k1, c); break;
+    default: tile<6>(wp, a, K, k0, k1, c); break;
+  }
+}
+
+inline __m256 load8f(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8f(const at::BFloat16* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
+// Each row to signed integers of `levels` a side with one scale (absmax / levels), rounded half to
+// even as quantize_rows16 and the twin round: x [M, K] (K a multiple of 8) -> xq [M, K], dx [M].
+template <typename T>
+void quantize_rows(const T* x, int64_t M, int64_t K, int64_t levels, int16_t* xq, float* dx) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const T* xr = x + m * K;
+      __m256 vmax = _mm256_setzero_ps();
+      for (int64_t k = 0; k < K; k += 8) vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, load8f(xr + k)));
+      float lanes[8];
+      _mm256_storeu_ps(lanes, vmax);
+      const float amax = *std::max_element(lanes, lanes + 8);
+      const float inv = amax > 0.f ? static_cast<float>(levels) / amax : 0.f;
+      dx[m] = amax / static_cast<float>(levels);
+      const __m256 iv = _mm256_set1_ps(inv);
+      for (int64_t k = 0; k < K; k += 8) {
+        const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(load8f(xr + k), iv));  // MXCSR: to nearest even
+        _mm_storeu_si128((__m128i*)(xq + m * K + k),
+                         _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)));
+      }
+    }
+  });
+}
+
+// y[m, n] = (float(sum) * dx[m]) * s[n], as the twin multiplies; `sums` [r][16] exact.
+template <typename T>
+inline void combine(const int32_t* sums, const int64_t* wide, int64_t r, const float* dx, const float* s, T* y,
+                    int64_t N) {
+  for (int64_t i = 0; i < r; ++i) {
+    if constexpr (std::is_same_v<T, float>) {
+      if (!wide) {
+        const __m256 d = _mm256_set1_ps(dx[i]);
+        for (int j = 0; j < 16; j += 8) {
+          const __m256 v = _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i*)(sums + 16 * i + j)));
+          _mm256_storeu_ps(y + i * N + j, _mm256_mul_ps(_mm256_mul_ps(v, d), _mm256_loadu_ps(s + j)));
+        }
+        continue;
+      }
+    }
+    for (int j = 0; j < 16; ++j) {
+      const float isum = wide ? static_cast<float>(wide[16 * i + j]) : static_cast<float>(sums[16 * i + j]);
+      y[i * N + j] = static_cast<T>(isum * dx[i] * s[j]);
+    }
+  }
+}
+
+}  // namespace q8madd
+
+bool madd_packable(int64_t N, int64_t K) { return N % 16 == 0 && K % 8 == 0; }
+
+torch::Tensor q8_pack_madd(const torch::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kChar, "q8_pack_madd: w int8 [N, K]");
+  const int64_t N = w.size(0), K = w.size(1);
+  TORCH_CHECK(madd_packable(N, K), "q8_pack_madd: N a multiple of 16, K of 8");
+  const auto wc = w.contiguous();
+  auto p = torch::empty({N / 16, K / 2, 16, 2}, w.options());
+  const int8_t* src = wc.data_ptr<int8_t>();
+  int8_t* dst = p.data_ptr<int8_t>();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t k = 0; k < K; ++k) dst[(((n / 16) * (K / 2) + k / 2) * 16 + n % 16) * 2 + k % 2] = src[n * K + k];
+  });
+  return p;
+}
+
+template <typename T>
+torch::Tensor q8_gemm_madd_impl(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
+                                int64_t levels) {
+  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * 16;
+  std::vector<int16_t> xq(M * K);
+  std::vector<float> dx(M);
+  q8madd::quantize_rows(x.data_ptr<T>(), M, K, levels, xq.data(), dx.data());
+  const auto s = scales.to(torch::kFloat32).contiguous();
+  const float* sp = s.data_ptr<float>();
+  auto y = torch::empty({M, N}, x.options());
+  T* yp = y.data_ptr<T>();
+  const int8_t* wq = packed.data_ptr<int8_t>();
+  const bool wide = K * levels * 127 >= (int64_t{1} << 31);
+  at::parallel_for(0, N / 16, 1, [&](int64_t p0, int64_t p1) {
+    int32_t sums[q8madd::MR * 16];
+    int64_t total[q8madd::MR * 16];
+    for (int64_t c0 = p0; c0 < p1; c0 += q8madd::PC) {
+      const int64_t c1 = std::min(p1, c0 + q8madd::PC);
+      for (int64_t mb = 0; mb < M; mb += q8madd::MB) {
+        const int64_t me = std::min(M, mb + q8madd::MB);
+        for (int64_t p = c0; p < c1; ++p) {
+          const int8_t* wp = wq + p * 16 * K;
+          for (int64_t m = mb; m < me; m += q8madd::MR) {
+            const int64_t r = std::min<int64_t>(q8madd::MR, me - m);
+            if (!wide) {
+              q8madd::rows(r, wp, xq.data() + m * K, K, 0, K, sums);
+              q8madd::combine<T>(sums, nullptr, r, dx.data() + m, sp + p * 16, yp + m * N + p * 16, N);
+              continue;
+            }
+            std::fill(total, total + r * 16, int64_t{0});
+            for (int64_t k0 = 0; k0 < K; k0 += q8madd::KB) {
+              q8madd::rows(r, wp, xq.data() + m * K, K, k0, std::min(K, k0 + q8madd::KB), sums);
+              for (int64_t i = 0; i < r * 16; ++i) total[i] += sums[i];
+            }
+            q8madd::combine<T>(sums, total, r, dx.data() + m, sp + p * 16, yp + m * N + p * 16, N);
+          }
+        }
+      }
+    }
+  });
+  return y;
+}
+
+torch::Tensor q8_gemm_madd(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
+                           int64_t levels) {
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 4 && packed.size(2) == 16 && packed.size(3) == 2 &&
+                  x.size(1) == packed.size(1) * 2 && x.size(1) % 8 == 0 && packed.scalar_type() == torch::kChar &&
+                  packed.is_contiguous(),
+              "q8_gemm_madd: x [M, K], packed as q8_pack_madd lays it out");
+  TORCH_CHECK(levels >= 1 && levels <= Q16, "q8_gemm_madd: levels in 1..8191");
+  TORCH_CHECK(scales.numel() == packed.size(0) * 16, "q8_gemm_madd: one scale an output");
+  if (x.size(0) == 0) return torch::empty({0, packed.size(0) * 16}, x.options());
+  if (x.scalar_type() == torch::kFloat32) return q8_gemm_madd_impl<float>(x.contiguous(), packed, scales, levels);
+  if (x.scalar_type() == torch::kBFloat16) return q8_gemm_madd_impl<at::BFloat16>(x.contiguous(), packed, scales, levels);
+  return q8_gemm_madd_impl<float>(x.to(torch::kFloat32).contiguous(), packed, scales, levels).to(x.scalar_type());
+}
+#endif
+
 // A weight past 2 slabs (the head: 49152 rows) is dequantized a slab at a time into one buffer
 // that stays in cache: the whole of it would be a fresh 57 MB (113 MB in fp32) each call, its page
 // faults and DRAM writes costing SmolLM2's head 2.6x the bf16 GEMM instead of about 1.05x.
@@ -1313,6 +1497,7 @@ bool use_amx(const torch::Tensor& x, const torch::Tensor& w) {
 // `packed` by q8_pack_vnni up to VNNI_ROWS part rows (2 a row), oneDNN's (q8_gemm_int) above or
 // without it; else a GEMM in x's precision over the weight dequantized for this call (bf16 unless x
 // is fp32: an AVX2-only CPU runs bf16 GEMMs 8x slower than fp32).
+// On AVX2 builds a copy `packed` by q8_pack_madd takes more than MADD_GEMV_ROWS rows (q8_gemm_madd: the GEMV's sums).
 // Coarser activations (`levels` < 8191, W8A8) take the GEMV and the INT8 GEMMs only (one part row
 // a row), with those levels: no AMX split, and never a float GEMM, whose numbers would be another model's.
 // With a packed copy the GEMV serves up to VNNI_GEMV_ROWS rows only, and from BF16_DOT_ROWS rows of
@@ -1330,6 +1515,11 @@ constexpr int64_t VNNI_ROWS = 256, VNNI_GEMV_ROWS = 3;
 // 64, 1.07x at 128, 1.10x at 256, 1.16x at 512 (1.10-1.29x oneDNN's INT8 GEMM of 2M rows, 0.98-1.02x
 // bf16's packed GEMM of the same rows); the head 0.84x at 32 rows, 0.99-1.16x at 64-512.
 constexpr int64_t BF16_DOT_ROWS = 64;
+// Up to this many rows the GEMV keeps INT8 layers with an AVX2 copy; from the next the vpmaddwd GEMM.
+// On a 2-core Zen 3, SmolLM2's shapes, 8 distinct weights a shape (benchmarks.int8_gemm, medians of
+// 7 rounds): the GEMM 0.82-0.97x the GEMV's speed at 1 row, 0.91-1.03x at 2, 1.03-1.19x at 3,
+// 1.11-1.16x at 4, 1.3-1.9x at 8-64.
+constexpr int64_t MADD_GEMV_ROWS = 2;
 
 torch::Tensor q8_matmul(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales,
                         int64_t gemv_rows, bool int_gemm, int64_t levels, const c10::optional<torch::Tensor>& packed,
@@ -1348,6 +1538,10 @@ torch::Tensor q8_matmul(const torch::Tensor& x, const torch::Tensor& w, const to
 #endif
     if (!amx && (levels == Q16 ? 2 * rows : rows) <= VNNI_ROWS) return q8_gemm_vnni(x, *packed, scales, levels);
   }
+#endif
+#ifdef SERVELAB_MADD
+  if (int_gemm && packed.has_value() && packed->defined() && rows > std::min(gemv_rows, MADD_GEMV_ROWS))
+    return q8_gemm_madd(x, *packed, scales, levels);
 #endif
   if (levels != Q16) {
 #ifdef SERVELAB_VNNI
@@ -1387,6 +1581,10 @@ TORCH_LIBRARY(SERVELAB_NS, m) {
   m.def("q8_pack_vnni(Tensor w) -> Tensor");
   m.def("q8_gemm_vnni(Tensor x, Tensor packed, Tensor scales, int levels=8191) -> Tensor");
 #endif
+#ifdef SERVELAB_MADD
+  m.def("q8_pack_madd(Tensor w) -> Tensor");
+  m.def("q8_gemm_madd(Tensor x, Tensor packed, Tensor scales, int levels=8191) -> Tensor");
+#endif
 #ifdef SERVELAB_Q8_BF16
   m.def("q8_gemm_bf16(Tensor x, Tensor packed, Tensor scales) -> Tensor");
 #endif
@@ -1407,6 +1605,10 @@ TORCH_LIBRARY_IMPL(SERVELAB_NS, CPU, m) {
   m.impl("q4_gemm_int", &q4_gemm_int);
   m.impl("q8_pack_vnni", &q8_pack_vnni);
   m.impl("q8_gemm_vnni", &q8_gemm_vnni);
+#endif
+#ifdef SERVELAB_MADD
+  m.impl("q8_pack_madd", &q8_pack_madd);
+  m.impl("q8_gemm_madd", &q8_gemm_madd);
 #endif
 #ifdef SERVELAB_Q8_BF16
   m.impl("q8_gemm_bf16", &q8_gemm_bf16);
