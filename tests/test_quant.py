@@ -99,6 +99,11 @@ def test_quant_pack_false_serves_the_same_model_without_the_packed_copies(tiny_d
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     outs = {p: e.generate([[5, 6, 7, 8]], params)[0].outputs[0].token_ids for p, e in engines.items()}
     assert outs[True] == outs[False]  # the same integer sums (the GEMV's at one row), the same greedy tokens
+    with int8_pack.packing(False):  # an A/B run's switch holds under the default quant.pack=true
+        cfg = tiny_config(tiny_dirs["llama"])
+        cfg.model.dtype, cfg.quant = "fp32", Int8QuantConfig(name="int8")
+        e = Engine(cfg)
+    assert not any(m.packed is not None for m in e.model.modules() if isinstance(m, Int8Linear))
 
 
 @pytest.mark.parametrize("n, k, group", [(64, 128, 32), (24, 100, 32), (16, 200, 64), (40, 576, 128), (13, 70, 32)])

@@ -66,7 +66,7 @@ class Int8Quantizer:
                     if isinstance(m, nn.Linear) and any(fnmatch(n, p) for p in self.keep)}
             prompts = calibration_prompts(self.tokenizer, self.config.calibration_prompts, self.config.calibration_len)
             self.report = smooth_model(model, prompts, skip=kept)
-        with int8_pack.packing(self.config.pack):
+        with int8_pack.packing(self.config.pack and int8_pack.packing_on()):  # (an A/B run's packing(False) holds)
             self.swapped = swap_linears(model, lambda name, lin: Int8Linear.from_linear(lin, self.fast, self.a8),
                                         self.keep)
         quantize_tied_embedding(model, self.swapped, bits=8)
