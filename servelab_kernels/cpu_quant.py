@@ -43,8 +43,9 @@ the inner loop is integer dot products (AVX512-VNNI), scaled once per group or p
 - INT8 over a copy packed once for `vpmaddwd` (`q8_gemm_madd`, AVX2 builds without AVX-512: AMD
   Zen 2 / 3): 16 int16 products an instruction where fp32 FMAs do 8; the 14-bit activations (INT8 with
   W8A8) times the weight widened to int16 in 6 x 16 register tiles, exact in int32 (int64 over blocks
-  past 2,048 inputs): the GEMV's sums, bit for bit, at any number of rows. On a 2-core Zen 3 1.3-1.7x
-  the fp32 panels' speed at 64-512 rows, 2.1-2.5x the GEMV's at 64 and 1.1-1.3x at 1 row.
+  past 2,048 inputs): the GEMV's sums, bit for bit, from 3 rows (the GEMV below). On a 2-core Zen 3,
+  SmolLM2's shapes: 1.2-1.7x the fp32 tiles' speed at 64-512 rows, 1.3-1.7x the same layers without
+  the copy at 64 (reports/int8-gemm-zen3).
 - fp32 rows on AVX2 FMA CPUs without the packed copy (no AVX-512, where model.dtype=auto runs fp32): above the GEMV's rows,
   each thread dequantizes 16 weight rows at a time into a panel of K lines of 16 outputs that stays in
   cache and multiplies every row by it in fp32_linear's 6 x 16 register tiles (csrc/cpu_fp32_tile.cpp),
@@ -254,7 +255,7 @@ def q8_matmul(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, levels: in
     levels=A8 (W8A8): the activations as INT8, the GEMV and one INT8 GEMM of M rows; no float GEMM.
     packed: q laid out by servelab_kernels.int8_pack, for the VNNI GEMM up to a few hundred rows, and
     for 14-bit activations from BF16_DOT_ROWS rows the bf16 dot GEMM over it (`bf16_dot(False)`: not);
-    on AVX2 builds for the vpmaddwd GEMM (q8_gemm_madd) at any number of rows, unless int_gemm(False)."""
+    on AVX2 builds for the vpmaddwd GEMM (q8_gemm_madd) above 2 rows, unless int_gemm(False)."""
     return ops().q8_matmul(x, q, scales, q8_gemv_rows(), _int_gemm.on, levels, packed, _bf16_dot.on)
 
 

@@ -7,9 +7,9 @@
   multiplies by it up to VNNI_ROWS part rows: the same integer sums, bit for bit.
 - AVX2 builds without AVX-512 (`q8_pack_madd` / `q8_gemm_madd`; AMD Zen 2 / 3, where models run
   fp32): per 16 outputs, K/2 lines of 16 x 2 inputs (signed), the pairs `vpmaddwd` multiplies by a
-  broadcast pair of 14-bit activations; `q8_matmul` multiplies by it at any number of rows, where the
-  plain weight took the GEMV and above it fp32 panels of the dequantized weight (same integer sums
-  as the GEMV, bit for bit; 1.3-1.7x the fp32 panels' speed at 64 rows on a 2-core Zen 3).
+  broadcast pair of 14-bit activations; `q8_matmul` multiplies by it from 3 rows, where the plain
+  weight took the GEMV up to 16 rows and fp32 panels of the dequantized weight above (the GEMV's
+  integer sums, bit for bit; 1.3-1.7x the copy-less layers' speed at 64 rows on a 2-core Zen 3).
 
 Int8Linear keeps the copy beside the plain weight. Copies are made while all packed copies (the bf16
 ones of servelab_kernels.linear too) stay within PACK_MEMORY_SHARE of the machine's memory, as a
