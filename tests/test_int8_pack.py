@@ -38,14 +38,18 @@ def test_the_layout_is_its_twin():
 @pytest.mark.parametrize("rows", [1, 7, 13, 100, 300])  # register tiles of 6, sweeps of 96 part rows
 def test_the_packed_gemm_gives_the_gemvs_integer_sums(n, k, rows, levels):
     w, scales, x = case(n, k, rows)
-    p, ops = int8_pack.pack_vnni(w), cpu_quant.ops()
-    # exact integer sums recombined and multiplied as the twin does: equal, not close
-    torch.testing.assert_close(ops.q8_gemm_vnni(x, p, scales, levels), q8_linear_ref(x, w, scales, levels),
-                               atol=0, rtol=0)
-    xb = x.bfloat16()
-    got = ops.q8_gemm_vnni(xb, p, scales, levels)
-    assert got.dtype == torch.bfloat16
+    ops = cpu_quant.ops()
+    xb, got = x.bfloat16(), assert_the_twins_sums(ops.q8_gemm_vnni, int8_pack.pack_vnni(w), w, scales, x, levels)
     assert torch.equal(got, ops.q8_gemm_int(xb, w, scales, levels))  # oneDNN's GEMM over the plain weight
+
+
+def assert_the_twins_sums(gemm, p, w, scales, x, levels) -> torch.Tensor:
+    """A packed GEMM's exact integer sums, multiplied as the twin does: equal to it, not close. Returns
+    its output for x in bf16 (bf16 out)."""
+    torch.testing.assert_close(gemm(x, p, scales, levels), q8_linear_ref(x, w, scales, levels), atol=0, rtol=0)
+    got = gemm(x.bfloat16(), p, scales, levels)
+    assert got.dtype == torch.bfloat16
+    return got
 
 
 def bf16_dot_built() -> bool:
@@ -190,13 +194,8 @@ def test_the_madd_layout_is_its_twin():
 def test_the_madd_gemm_gives_the_twins_integer_sums(n, k, rows, levels):
     w, scales, x = case(n, k, rows)
     p, ops = int8_pack.pack_madd(w), cpu_quant.ops()
-    # exact integer sums multiplied as the twin does: equal, not close, in fp32 and in bf16
-    torch.testing.assert_close(ops.q8_gemm_madd(x, p, scales, levels), q8_linear_ref(x, w, scales, levels),
-                               atol=0, rtol=0)
-    xb = x.bfloat16()
-    got = ops.q8_gemm_madd(xb, p, scales, levels)
-    assert got.dtype == torch.bfloat16
-    assert torch.equal(got, q8_linear_ref(xb, w, scales, levels))
+    xb, got = x.bfloat16(), assert_the_twins_sums(ops.q8_gemm_madd, p, w, scales, x, levels)
+    assert torch.equal(got, q8_linear_ref(xb, w, scales, levels))  # in bf16 too
     # the GEMV's sums too: it adds them as floats by lane, so within fp32 rounding of its sum
     if k % 32 == 0:  # (the GEMV takes whole groups of 32 inputs)
         torch.testing.assert_close(got.float(), ops.q8_linear(xb, w, scales, levels).float(), rtol=8e-3, atol=1e-6)
