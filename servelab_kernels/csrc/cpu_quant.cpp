@@ -288,10 +288,44 @@ torch::Tensor q4_linear_impl(const torch::Tensor& x, const torch::Tensor& w, con
 
 constexpr int64_t Q16 = 8191, KB = 2048;
 
+#ifdef SERVELAB_AVX2
+inline __m256 load8f(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8f(const at::BFloat16* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
+// quantize_rows16's row on AVX2 (K a multiple of 8): the same amax, inverse and rounding (cvtps under
+// MXCSR rounds to nearest even, as nearbyint), so the same integers.
+template <typename T>
+inline void quantize_row16_avx2(const T* xr, int64_t K, int64_t levels, int16_t* out, float& dx) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 vmax = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, load8f(xr + k)));
+  float lanes[8];
+  _mm256_storeu_ps(lanes, vmax);
+  const float amax = *std::max_element(lanes, lanes + 8);
+  const float inv = amax > 0.f ? static_cast<float>(levels) / amax : 0.f;
+  dx = amax / static_cast<float>(levels);
+  const __m256 iv = _mm256_set1_ps(inv);
+  for (int64_t k = 0; k < K; k += 8) {
+    const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(load8f(xr + k), iv));
+    _mm_storeu_si128((__m128i*)(out + k), _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)));
+  }
+}
+#endif
+
 template <typename T>
 std::vector<int16_t> quantize_rows16(const T* x, int64_t M, int64_t K, std::vector<float>& dx, int64_t levels = Q16) {
   std::vector<int16_t> xq(M * K);
   dx.assign(M, 0.f);
+#ifdef SERVELAB_AVX2
+  if (K % 8 == 0) {
+    at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m) quantize_row16_avx2(x + m * K, K, levels, xq.data() + m * K, dx[m]);
+    });
+    return xq;
+  }
+#endif
   for (int64_t m = 0; m < M; ++m) {
     float amax = 0.f;
     for (int64_t k = 0; k < K; ++k) amax = std::max(amax, std::fabs(static_cast<float>(x[m * K + k])));
@@ -594,36 +628,6 @@ inline void rows(int64_t r, const int8_t* wp, const int16_t* a, int64_t K, int64
   }
 }
 
-inline __m256 load8f(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8f(const at::BFloat16* p) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
-}
-
-// Each row to signed integers of `levels` a side with one scale (absmax / levels), rounded half to
-// even as quantize_rows16 and the twin round: x [M, K] (K a multiple of 8) -> xq [M, K], dx [M].
-template <typename T>
-void quantize_rows(const T* x, int64_t M, int64_t K, int64_t levels, int16_t* xq, float* dx) {
-  const __m256 sign = _mm256_set1_ps(-0.f);
-  at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) {
-      const T* xr = x + m * K;
-      __m256 vmax = _mm256_setzero_ps();
-      for (int64_t k = 0; k < K; k += 8) vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, load8f(xr + k)));
-      float lanes[8];
-      _mm256_storeu_ps(lanes, vmax);
-      const float amax = *std::max_element(lanes, lanes + 8);
-      const float inv = amax > 0.f ? static_cast<float>(levels) / amax : 0.f;
-      dx[m] = amax / static_cast<float>(levels);
-      const __m256 iv = _mm256_set1_ps(inv);
-      for (int64_t k = 0; k < K; k += 8) {
-        const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(load8f(xr + k), iv));  // MXCSR: to nearest even
-        _mm_storeu_si128((__m128i*)(xq + m * K + k),
-                         _mm_packs_epi32(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1)));
-      }
-    }
-  });
-}
-
 // y[m, n] = (float(sum) * dx[m]) * s[n], as the twin multiplies; `sums` [r][16] exact.
 template <typename T>
 inline void combine(const int32_t* sums, const int64_t* wide, int64_t r, const float* dx, const float* s, T* y,
@@ -669,9 +673,8 @@ template <typename T>
 torch::Tensor q8_gemm_madd_impl(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
                                 int64_t levels) {
   const int64_t M = x.size(0), K = x.size(1), N = packed.size(0) * 16;
-  std::vector<int16_t> xq(M * K);
-  std::vector<float> dx(M);
-  q8madd::quantize_rows(x.data_ptr<T>(), M, K, levels, xq.data(), dx.data());
+  std::vector<float> dx;
+  const std::vector<int16_t> xq = quantize_rows16(x.data_ptr<T>(), M, K, dx, levels);
   const auto s = scales.to(torch::kFloat32).contiguous();
   const float* sp = s.data_ptr<float>();
   auto y = torch::empty({M, N}, x.options());
