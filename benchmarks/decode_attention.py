@@ -195,16 +195,25 @@ def plain_pages(b: int, ctx: int, dtype, probe: torch.Tensor, span: int, name: s
 PREFILL_CASES = [(0, 512), (800, 224), (1024, 512), (0, 2048)]  # (cached prefix, chunk) of one sequence
 
 
-def prefill_case(prefix: int, chunk: int) -> str:
-    """The C++ paged prefill (its AMX tile kernel where the CPU has the tiles, and its vector kernel)
-    against the reference's padded SDPA call (PyTorch's CPU flash attention), one bf16 chunk over its
-    cached prefix, rounds alternating between them."""
+def prefill_kind(k_cache) -> str:
+    """Which path of the C++ prefill serves this cache here."""
+    if cpu_attention.prefill_on_tiles(k_cache):
+        return "tiles"
+    if not cpu_attention.prefill_fast(k_cache):
+        return "loop"
+    return "AVX2" if cpu_attention.avx2_decode_built() else "vector"
+
+
+def prefill_case(prefix: int, chunk: int, dtype=torch.bfloat16) -> str:
+    """The C++ paged prefill (its AMX tile kernel where the CPU has the tiles, and its vector kernel:
+    AVX512-BF16, or AVX2 + FMA on CPUs without AVX-512) against the reference's padded SDPA call
+    (PyTorch's CPU flash attention), one chunk over its cached prefix, rounds alternating between them."""
     bs, ctx = 16, prefix + chunk
     nb = -(-ctx // bs)
     g = torch.Generator().manual_seed(0)
-    kc, vc = (torch.randn(nb, 3, bs, 64, generator=g).bfloat16() for _ in range(2))
+    kc, vc = (torch.randn(nb, 3, bs, 64, generator=g).to(dtype) for _ in range(2))
     tables, lens = torch.randperm(nb, generator=g)[None], torch.tensor([ctx])
-    starts, q = torch.tensor([0, chunk]), torch.randn(chunk, 9, 64, generator=g).bfloat16()
+    starts, q = torch.tensor([0, chunk]), torch.randn(chunk, 9, 64, generator=g).to(dtype)
     groups = ref.plan_prefill(tables, [0, chunk], [ctx], bs)
     sdpa = lambda: ref.prefill_attention(q, kc, vc, tables, lens, starts, 0.125, groups=groups)  # noqa: E731
     cpp = lambda: cpu_attention.prefill_attention(q, kc, vc, tables, lens, starts, 0.125)  # noqa: E731
@@ -221,21 +230,28 @@ def prefill_case(prefix: int, chunk: int) -> str:
     flops = 4 * 9 * 64 * (chunk * prefix + chunk * (chunk + 1) / 2)
     ratios = sorted(t[0] / t[1] for t in times)
     vec = f"{t_vec * 1e3:.2f}" if tiles else "(the C++ kernel)"
-    return (f"| {prefix} | {chunk} | {t_sdpa * 1e3:.2f} | {'tiles' if tiles else 'vector'} {t_cpp * 1e3:.2f} | {vec} | "
+    return (f"| {KV_NAMES[dtype]} | {prefix} | {chunk} | {t_sdpa * 1e3:.2f} | {prefill_kind(kc)} {t_cpp * 1e3:.2f} | {vec} | "
             f"{flops / t_cpp / 1e9:.0f} | {t_sdpa / t_cpp:.2f}x ({ratios[0]:.2f}-{ratios[-1]:.2f}) |")
+
+
+def prefill_dtypes() -> list:
+    """bf16 caches, and fp32 ones where the C++ kernel has a fast path for them (the AVX2 kernel: CPUs
+    without AVX-512 run `model.dtype=auto` in fp32)."""
+    return [torch.bfloat16] + ([torch.float32] if cpu_attention.prefill_fast(torch.zeros(1, 3, 16, 64)) else [])
 
 
 def prefill_section() -> list[str]:
     rows = []
-    for prefix, chunk in PREFILL_CASES:
-        rows.append(prefill_case(prefix, chunk))
-        print(rows[-1], flush=True)
-    return ["\n## Prefill: the C++ kernel beside PyTorch's CPU flash attention (SDPA), bf16\n",
+    for dtype in prefill_dtypes():
+        for prefix, chunk in PREFILL_CASES:
+            rows.append(prefill_case(prefix, chunk, dtype))
+            print(rows[-1], flush=True)
+    return ["\n## Prefill: the C++ kernel beside PyTorch's CPU flash attention (SDPA)\n",
             f"Median of {ROUNDS} rounds, each the median of {CALLS} calls of each; the ratio's range is over the "
             "rounds. The C++ kernel runs on AMX tiles where the CPU has them (`cpu_attention.amx_prefill`), its "
-            "vector kernel beside it.\n",
-            "| cached prefix | chunk | SDPA ms | C++ ms | C++ vector ms | C++ GFLOP/s | SDPA / C++ |",
-            "|---|---|---|---|---|---|---|"] + rows
+            "vector kernel beside it; GFLOP/s count the causal products only (4 x 9 heads x 64 a query-key pair).\n",
+            "| cache | cached prefix | chunk | SDPA ms | C++ ms | C++ vector ms | C++ GFLOP/s | SDPA / C++ |",
+            "|---|---|---|---|---|---|---|---|"] + rows
 
 
 BLOCK_SIZES, BLOCK_CASES = (16, 32, 64, 128), [(64, 256), (64, 640), (16, 512)]
@@ -306,7 +322,8 @@ def main(argv=None) -> int:
                  "- made by `python -m benchmarks.decode_attention --prefill-only`"] + prefill_section()
         out.mkdir(parents=True, exist_ok=True)
         (out / "report.md").write_text("\n".join(lines) + "\n")
-        (out / "report.json").write_text(json.dumps({"machine": rates, "prefill": lines[-len(PREFILL_CASES):]}, indent=2))
+        (out / "report.json").write_text(json.dumps({"machine": rates, "prefill": lines[-len(PREFILL_CASES) * len(prefill_dtypes()):]},
+                                                     indent=2))
         print("\n".join(lines))
         return 0
     llc = llc_bytes()
@@ -348,7 +365,7 @@ def main(argv=None) -> int:
                          f"{r['probe_gbs']:.1f} | {r['share_of_probe'] * 100:.0f} % | {floor} | {resident} |")
         print("\n".join(lines[-len(rows):]), flush=True)
     section = prefill_section()
-    prefill = section[-len(PREFILL_CASES):]
+    prefill = section[-len(PREFILL_CASES) * len(prefill_dtypes()):]
     lines += section
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.md").write_text("\n".join(lines) + "\n")

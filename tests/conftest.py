@@ -97,7 +97,7 @@ HARDWARE = {"cuda": (torch.cuda.is_available, "this machine has no CUDA device")
             "vnni": (_has_int_gemm, "this CPU has no AVX512-VNNI (no q8_gemm_int or q4_gemm_int in its build)"),
             "amx_bf16": (_has_amx_bf16, "this CPU has no AMX-BF16 tiles"),
             "avx2": (_has_avx2_decode, "this CPU is not x86 with AVX2 + FMA and without AVX-512, where the AVX2 "
-                                       "decode kernel is built (AVX-512 CPUs run their own)"),
+                                       "decode and prefill kernels are built (AVX-512 CPUs run their own)"),
             "madd": (_has_madd_gemm, "this CPU's INT8 build is not AVX2 without AVX512-VNNI, where the vpmaddwd GEMM "
                                      "over a packed copy (q8_gemm_madd) is built (VNNI CPUs run their own)")}
 

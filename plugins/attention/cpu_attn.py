@@ -4,8 +4,9 @@ GQA without repeated KV; AMX tiles, AVX-512 or AVX2 two-pass code where the CPU 
 loop elsewhere or with `attention.decode=portable`), prefill chunks of a bf16 cache through the C++ paged
 prefill kernel (every chunk of the step in one call, causal over its cached prefix, read in
 place; about 2.5x PyTorch's CPU flash attention on a 512-token chunk where the CPU multiplies bf16
-with AVX512-BF16 pair products, 1.4-2.4x where it runs on AMX tiles), other caches through SDPA
-with the offset causal mask (`attention.prefill`: auto | cpp | sdpa). `auto` picks this backend on the CPU whenever
+with AVX512-BF16 pair products, 1.4-2.4x where it runs on AMX tiles), fp32 and bf16 caches the same
+way through its AVX2 kernel on x86 CPUs without AVX-512, other caches through SDPA with the offset
+causal mask (`attention.prefill`: auto | cpp | sdpa). `auto` picks this backend on the CPU whenever
 the C++ kernel builds, the torch reference otherwise."""
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ DECODE_CHOICES = ("auto", "portable")
 @dataclass
 class CPUAttentionConfig(AttentionConfig):
     # prefill chunks of a bf16/fp32 cache: auto (the C++ kernel where it has its tile path, or its
-    # vector path on a CPU without AMX tiles; else SDPA) | cpp (the C++ kernel) | sdpa (PyTorch's CPU
-    # flash attention)
+    # vector path on a CPU without AMX tiles: AVX512-BF16 for bf16, AVX2 for both on CPUs without
+    # AVX-512; else SDPA) | cpp (the C++ kernel) | sdpa (PyTorch's CPU flash attention)
     prefill: str = "auto"
     # the KV cache on 2 MB pages where Linux gives them (servelab_kernels.huge_pages: fewer TLB misses
     # on the scattered blocks a decode step reads)

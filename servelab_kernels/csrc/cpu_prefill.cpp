@@ -346,6 +346,166 @@ static void prefill_amx_bf16(const at::BFloat16* q, const at::BFloat16* kc, cons
 }
 #endif
 
+#if defined(SERVELAB_AVX2_DECODE)
+static bool avx2_prefill_on = true;
+
+// S^T for keys j0..j0+NK-1 of a tile (fp32 rows kb, D apart) and 16 rows (Q^T columns r0..r0+15):
+// 2 NK accumulators, and per dim 2 vector loads and NK broadcasts for 2 NK FMAs.
+template <int NK>
+static inline void scores_tile(const float* qt, const float* kb, float* pt, int64_t D, int64_t RP, int64_t r0, int j0) {
+  __m256 s[NK][2];
+  for (int u = 0; u < NK; ++u) s[u][0] = s[u][1] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; ++d) {
+    const __m256 q0 = _mm256_loadu_ps(qt + d * RP + r0), q1 = _mm256_loadu_ps(qt + d * RP + r0 + 8);
+    for (int u = 0; u < NK; ++u) {
+      const __m256 k = _mm256_broadcast_ss(kb + (j0 + u) * D + d);
+      s[u][0] = _mm256_fmadd_ps(k, q0, s[u][0]);
+      s[u][1] = _mm256_fmadd_ps(k, q1, s[u][1]);
+    }
+  }
+  for (int u = 0; u < NK; ++u) {
+    _mm256_storeu_ps(pt + (j0 + u) * RP + r0, s[u][0]);
+    _mm256_storeu_ps(pt + (j0 + u) * RP + r0 + 8, s[u][1]);
+  }
+}
+
+// O[r..r+NR-1] = alpha O + P . V over a tile's n keys, 16 dims at a time: 2 NR accumulators, and per
+// key 2 vector loads (a value row's 16 dims) and NR broadcasts (the rows' probabilities) for 2 NR FMAs.
+template <int NR>
+static inline void values_tile(const float* pt, const float* vb, const float* alpha, float* o, int64_t D, int64_t RP,
+                               int64_t r, int n) {
+  for (int64_t d0 = 0; d0 < D; d0 += 16) {
+    __m256 acc[NR][2];
+    for (int i = 0; i < NR; ++i) {
+      const __m256 a = _mm256_broadcast_ss(alpha + r + i);
+      acc[i][0] = _mm256_mul_ps(_mm256_loadu_ps(o + (r + i) * D + d0), a);
+      acc[i][1] = _mm256_mul_ps(_mm256_loadu_ps(o + (r + i) * D + d0 + 8), a);
+    }
+    for (int j = 0; j < n; ++j) {
+      const __m256 v0 = _mm256_loadu_ps(vb + j * D + d0), v1 = _mm256_loadu_ps(vb + j * D + d0 + 8);
+      for (int i = 0; i < NR; ++i) {
+        const __m256 p = _mm256_broadcast_ss(pt + j * RP + r + i);
+        acc[i][0] = _mm256_fmadd_ps(p, v0, acc[i][0]);
+        acc[i][1] = _mm256_fmadd_ps(p, v1, acc[i][1]);
+      }
+    }
+    for (int i = 0; i < NR; ++i) {
+      _mm256_storeu_ps(o + (r + i) * D + d0, acc[i][0]);
+      _mm256_storeu_ps(o + (r + i) * D + d0 + 8, acc[i][1]);
+    }
+  }
+}
+
+// fp32 or bf16 cache, head_dim a multiple of 16, on AVX2 + FMA (CPUs without AVX-512; fp32 arithmetic).
+// A task is one KV head of a tile of QT query positions of one chunk: R = QT x G query rows (position
+// t0 + r / G, query head h * G + r % G), padded to groups of 16 rows with rows that see no key. The
+// queries (scaled), the scores and probabilities of a tile of KT keys, and the rows' running max, sum
+// and causal end are kept with the rows in lanes (Q^T [D][R], S^T = P^T [KT][R]), so the softmax runs
+// down the keys with no horizontal reduction and the causal mask is one compare a key; the outputs are
+// rows [R][D]. Each key tile is copied as fp32 rows (across block boundaries, zero past its end) and
+// both products broadcast one operand's scalars against the other's vectors in 6 x 16 register tiles
+// (scores_tile, values_tile). PyTorch's CPU flash attention (SDPA) runs fresh 512-token chunks at
+// about 40 GFLOP/s on a 2-core Zen 3, and needs the prefix gathered and a mask built first.
+template <typename KV>
+static void prefill_avx2(const float* q, const KV* kc, const KV* vc, const int64_t* tables, const int64_t* ctx_lens,
+                         const int64_t* starts, float* out, int64_t S, int64_t H, int64_t KVH, int64_t BS, int64_t D,
+                         int64_t W, int64_t stride_blk, float scale) {
+  constexpr int KT = 24;
+  const int64_t G = H / KVH, QT = std::max<int64_t>(1, 48 / G), RP = (QT * G + 15) / 16 * 16;
+  struct Task { int64_t s, h, t0, cost; };
+  std::vector<Task> tasks;
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t qlen = starts[s + 1] - starts[s], first = ctx_lens[s] - qlen;
+    for (int64_t t0 = 0; t0 < qlen; t0 += QT)
+      for (int64_t h = 0; h < KVH; ++h) tasks.push_back({s, h, t0, first + std::min(qlen, t0 + QT)});
+  }
+  // longest first, handed out one by one: the last tiles of a chunk see the most keys
+  std::sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
+  std::atomic<int64_t> next{0};
+  const int64_t n_tasks = static_cast<int64_t>(tasks.size());
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    std::vector<float> qt(D * RP), o(RP * D), pt(KT * RP), kb(KT * D), vb(KT * D), m(RP), l(RP), posf(RP), alpha(RP);
+    const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t i = next++; i < n_tasks; i = next++) {
+      const Task& tk = tasks[i];
+      const int64_t qlen = starts[tk.s + 1] - starts[tk.s], first = ctx_lens[tk.s] - qlen;
+      const int64_t nq = std::min(QT, qlen - tk.t0), rows = nq * G, last = first + tk.t0 + nq - 1;
+      for (int64_t r = 0; r < RP; ++r) {
+        posf[r] = r < rows ? static_cast<float>(first + tk.t0 + r / G) : -1.f;  // a pad row sees nothing
+        m[r] = -std::numeric_limits<float>::max();  // finite: alpha = exp(m - max) is then 0, not a NaN
+        l[r] = 0.f;
+        const float* qr = q + ((starts[tk.s] + tk.t0 + r / G) * H + tk.h * G + r % G) * D;
+        for (int64_t d = 0; d < D; ++d) qt[d * RP + r] = r < rows ? qr[d] * scale : 0.f;
+      }
+      std::fill(o.begin(), o.end(), 0.f);
+      for (int64_t kpos = 0; kpos <= last; kpos += KT) {
+        const int n = static_cast<int>(std::min<int64_t>(KT, last + 1 - kpos)), nk = (n + 5) / 6 * 6;
+        for (int j = 0; j < nk; ++j) {
+          float* kd = &kb[j * D];
+          if (j >= n) {  // zero keys: scores of 0, masked below
+            std::fill(kd, kd + D, 0.f);
+            continue;
+          }
+          const int64_t p = kpos + j, off = tables[tk.s * W + p / BS] * stride_blk + (tk.h * BS + p % BS) * D;
+          for (int64_t d = 0; d < D; d += 8) {
+            _mm256_storeu_ps(kd + d, load8(kc + off + d));
+            _mm256_storeu_ps(&vb[j * D + d], load8(vc + off + d));
+          }
+        }
+        for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+          if (posf[std::min(r0 + 15, rows - 1)] < static_cast<float>(kpos)) continue;  // every key in their future
+          for (int j0 = 0; j0 < nk; j0 += 6) scores_tile<6>(qt.data(), kb.data(), pt.data(), D, RP, r0, j0);
+          // online softmax down the keys, 8 rows a vector; key j is visible to a row iff kpos + j <= its position
+          for (int64_t v = r0; v < r0 + 16; v += 8) {
+            const __m256 pos = _mm256_loadu_ps(&posf[v]);
+            __m256 mx = neg_inf;
+            for (int j = 0; j < n; ++j) {
+              const __m256 seen = _mm256_cmp_ps(_mm256_set1_ps(static_cast<float>(kpos + j)), pos, _CMP_LE_OQ);
+              const __m256 sv = _mm256_blendv_ps(neg_inf, _mm256_loadu_ps(&pt[j * RP + v]), seen);
+              _mm256_storeu_ps(&pt[j * RP + v], sv);
+              mx = _mm256_max_ps(mx, sv);
+            }
+            const __m256 m_old = _mm256_loadu_ps(&m[v]), m_new = _mm256_max_ps(m_old, mx);
+            const __m256 a = exp8(_mm256_sub_ps(m_old, m_new));
+            __m256 sum = _mm256_setzero_ps();
+            for (int j = 0; j < n; ++j) {  // masked scores are -inf: exp8 clamps them, the compare zeroes them
+              const __m256 x = _mm256_loadu_ps(&pt[j * RP + v]);
+              const __m256 e = _mm256_and_ps(_mm256_cmp_ps(x, neg_inf, _CMP_NEQ_OQ), exp8(_mm256_sub_ps(x, m_new)));
+              _mm256_storeu_ps(&pt[j * RP + v], e);
+              sum = _mm256_add_ps(sum, e);
+            }
+            _mm256_storeu_ps(&m[v], m_new);
+            _mm256_storeu_ps(&l[v], _mm256_fmadd_ps(_mm256_loadu_ps(&l[v]), a, sum));
+            _mm256_storeu_ps(&alpha[v], a);
+          }
+          values_tile<6>(pt.data(), vb.data(), alpha.data(), o.data(), D, RP, r0, n);
+          values_tile<6>(pt.data(), vb.data(), alpha.data(), o.data(), D, RP, r0 + 6, n);
+          values_tile<4>(pt.data(), vb.data(), alpha.data(), o.data(), D, RP, r0 + 12, n);
+        }
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        float* dst = out + ((starts[tk.s] + tk.t0 + r / G) * H + tk.h * G + r % G) * D;
+        const float inv = 1.f / l[r];
+        for (int64_t d = 0; d < D; ++d) dst[d] = o[r * D + d] * inv;
+      }
+    }
+  });
+}
+#endif
+
+// Whether prefill on a CPU without AVX-512 takes the AVX2 kernel (fp32 / bf16 cache, head_dim a
+// multiple of 16); set_avx2_prefill(false) keeps the loop (A/B runs, tests). Returns the setting before.
+bool set_avx2_prefill(bool on) {
+#if defined(SERVELAB_AVX2_DECODE)
+  const bool before = avx2_prefill_on;
+  avx2_prefill_on = on;
+  return before;
+#else
+  (void)on;
+  return false;
+#endif
+}
+
 // Whether bf16 prefill takes the AMX kernel (where it fits); set_amx_prefill(false) keeps the vector
 // kernel or the loop (A/B runs, tests). Returns the setting before.
 bool set_amx_prefill(bool on) {
@@ -374,6 +534,9 @@ bool prefill_on_tiles(torch::Tensor k_cache) {
 bool prefill_vector(torch::Tensor k_cache) {
 #if defined(SERVELAB_AVX512) && defined(__AVX512BF16__)
   return k_cache.scalar_type() == torch::kBFloat16 && k_cache.size(3) == 64;
+#elif defined(SERVELAB_AVX2_DECODE)
+  const auto t = k_cache.scalar_type();
+  return avx2_prefill_on && (t == torch::kFloat32 || t == torch::kBFloat16) && k_cache.size(3) % 16 == 0;
 #else
   (void)k_cache;
   return false;
@@ -415,6 +578,19 @@ torch::Tensor paged_prefill(torch::Tensor q, torch::Tensor k_cache, torch::Tenso
   }
 #endif
   auto qf = q.to(torch::kFloat32).contiguous();
+#if defined(SERVELAB_AVX2_DECODE)
+  if (prefill_vector(k_cache)) {
+    if (k_cache.scalar_type() == torch::kBFloat16)
+      prefill_avx2(qf.data_ptr<float>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
+                   tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), starts.data_ptr<int64_t>(),
+                   out.data_ptr<float>(), S, H, KVH, BS, D, W, stride, static_cast<float>(scale));
+    else
+      prefill_avx2(qf.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                   tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), starts.data_ptr<int64_t>(),
+                   out.data_ptr<float>(), S, H, KVH, BS, D, W, stride, static_cast<float>(scale));
+    return out.to(q.scalar_type());
+  }
+#endif
   if (k_cache.scalar_type() == torch::kBFloat16)
     prefill_rows(qf.data_ptr<float>(), k_cache.data_ptr<at::BFloat16>(), v_cache.data_ptr<at::BFloat16>(),
                  tables.data_ptr<int64_t>(), lens.data_ptr<int64_t>(), starts.data_ptr<int64_t>(), out.data_ptr<float>(),
