@@ -119,6 +119,26 @@ def test_auto_dtype_is_bf16_only_where_the_cpu_computes_it(monkeypatch, flags, d
     assert engine_config(compose(["model.device=cpu", "model.dtype=bf16"])).model.dtype == "bf16"
 
 
+@pytest.mark.parametrize("overrides, cache_dtype", [([], "bf16"), (["model.dtype=fp32"], "auto"),
+                                                    (["cache.dtype=fp32"], "fp32"), (["cache.dtype=int8"], "int8")])
+def test_fp32_for_want_of_bf16_keeps_its_kv_cache_in_bf16(monkeypatch, overrides, cache_dtype):
+    """model.dtype=auto taking fp32 (no native bf16) stores an auto cache in bf16; an fp32 model the
+    config asks for keeps its cache in fp32 (auto), and a cache dtype the config names is kept."""
+    from core.engine.components import kv_cache_spec
+    from core.model.llama import ModelArgs
+
+    monkeypatch.setattr(defaults, "cpu_feature_flags", lambda: {"avx2", "fma"})
+    ec = engine_config(compose(["model.device=cpu", *overrides]))
+    assert ec.model.dtype == "fp32" and ec.cache.dtype == cache_dtype
+    args = ModelArgs(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                     head_dim=16)
+    want = {"bf16": torch.bfloat16, "auto": torch.float32, "fp32": torch.float32, "int8": torch.int8}[cache_dtype]
+    assert kv_cache_spec(ec, args).dtype == want
+    monkeypatch.setattr(defaults, "cpu_feature_flags", lambda: {"avx512_bf16"})
+    native = engine_config(compose(["model.device=cpu"]))
+    assert native.model.dtype == "bf16" and native.cache.dtype == "auto"  # the cache follows a bf16 model
+
+
 def test_fp32_for_want_of_bf16_is_said_at_engine_start_not_while_validating(monkeypatch, tiny_llama, caplog):
     """The reason is logged beside the KV pool once the engine builds: a config error before that
     stays the one line the CLI promises."""
@@ -132,7 +152,7 @@ def test_fp32_for_want_of_bf16_is_said_at_engine_start_not_while_validating(monk
         ec = engine_config(compose(["model.device=cpu", f"model.path={tiny_llama}", "model.max_model_len=64"]))
         assert ec.model.dtype == "fp32" and caplog.text == ""
         Engine(ec)
-    assert "model: fp32, as this CPU has no native bf16" in caplog.text
+    assert "model: fp32, as this CPU has no native bf16" in caplog.text and "KV cache in bf16" in caplog.text
     assert defaults.describe_dtype(replace(ec, model=replace(ec.model, dtype="bf16")), torch.device("cpu")) is None
     monkeypatch.setattr(defaults, "cpu_feature_flags", lambda: {"avx512_bf16"})
     assert defaults.describe_dtype(ec, torch.device("cpu")) is None  # fp32 asked for where bf16 is native

@@ -44,7 +44,7 @@ class SchedulerConfig:
 @dataclass
 class CacheConfig:
     name: str = "contiguous"
-    dtype: str = "auto"  # auto (the model dtype) | int8
+    dtype: str = "auto"  # auto (the model dtype; bf16 under an fp32 model that model.dtype=auto took) | bf16 | fp32 | int8
     memory_gb: float | None = None  # KV pool budget; None: the allocator's own default
 
 

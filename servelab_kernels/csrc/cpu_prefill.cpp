@@ -40,6 +40,23 @@ static void prefill_rows(const Q* q, const KV* kc, const KV* vc, const int64_t* 
   });
 }
 
+// A vector kernel's unit of work: one KV head `h` of the query positions t0.. of sequence s's chunk.
+struct PrefillTask { int64_t s, h, t0, cost; };
+
+// Every chunk's tasks of `qt` positions, longest first (the last tiles of a chunk see the most
+// keys), for the threads to take one by one.
+[[maybe_unused]] static std::vector<PrefillTask> prefill_tasks(const int64_t* ctx_lens, const int64_t* starts, int64_t S,
+                                                               int64_t KVH, int64_t qt) {
+  std::vector<PrefillTask> tasks;
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t qlen = starts[s + 1] - starts[s], first = ctx_lens[s] - qlen;
+    for (int64_t t0 = 0; t0 < qlen; t0 += qt)
+      for (int64_t h = 0; h < KVH; ++h) tasks.push_back({s, h, t0, first + std::min(qlen, t0 + qt)});
+  }
+  std::sort(tasks.begin(), tasks.end(), [](const PrefillTask& a, const PrefillTask& b) { return a.cost > b.cost; });
+  return tasks;
+}
+
 #if defined(SERVELAB_AVX512) && defined(__AVX512BF16__)
 // Rows r[0..15] of 16 dwords in, their transpose out: r[c] = column c.
 static inline void transpose16(__m512i* r) {
@@ -120,15 +137,7 @@ static void prefill_bf16_d64(const at::BFloat16* q, const at::BFloat16* kc, cons
                              int64_t S, int64_t H, int64_t KVH, int64_t BS, int64_t W, int64_t stride_blk, float scale) {
   constexpr int64_t D = 64, DP = D / 2, QT = 16;
   const int64_t G = H / KVH, R = QT * G;
-  struct Task { int64_t s, h, t0, cost; };
-  std::vector<Task> tasks;
-  for (int64_t s = 0; s < S; ++s) {
-    const int64_t qlen = starts[s + 1] - starts[s], first = ctx_lens[s] - qlen;
-    for (int64_t t0 = 0; t0 < qlen; t0 += QT)
-      for (int64_t h = 0; h < KVH; ++h) tasks.push_back({s, h, t0, first + std::min(qlen, t0 + QT)});
-  }
-  // longest first, handed out one by one: the last tiles of a chunk see the most keys
-  std::sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
+  const std::vector<PrefillTask> tasks = prefill_tasks(ctx_lens, starts, S, KVH, QT);
   std::atomic<int64_t> next{0};
   const int64_t n_tasks = static_cast<int64_t>(tasks.size());
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
@@ -137,7 +146,7 @@ static void prefill_bf16_d64(const at::BFloat16* q, const at::BFloat16* kc, cons
     std::vector<float> m(R), l(R);
     alignas(64) __m512i kt[DP], vp[8][4];
     for (int64_t i = next++; i < n_tasks; i = next++) {
-      const Task& tk = tasks[i];
+      const PrefillTask& tk = tasks[i];
       const int64_t qlen = starts[tk.s + 1] - starts[tk.s], first = ctx_lens[tk.s] - qlen;
       const int64_t nq = std::min(QT, qlen - tk.t0), rows = nq * G;
       for (int64_t r = 0; r < rows; ++r) {  // row r = (query t0 + r / G, head h * G + r % G)
@@ -412,30 +421,27 @@ static void prefill_avx2(const float* q, const KV* kc, const KV* vc, const int64
                          int64_t W, int64_t stride_blk, float scale) {
   constexpr int KT = 24;
   const int64_t G = H / KVH, QT = std::max<int64_t>(1, 48 / G), RP = (QT * G + 15) / 16 * 16;
-  struct Task { int64_t s, h, t0, cost; };
-  std::vector<Task> tasks;
-  for (int64_t s = 0; s < S; ++s) {
-    const int64_t qlen = starts[s + 1] - starts[s], first = ctx_lens[s] - qlen;
-    for (int64_t t0 = 0; t0 < qlen; t0 += QT)
-      for (int64_t h = 0; h < KVH; ++h) tasks.push_back({s, h, t0, first + std::min(qlen, t0 + QT)});
-  }
-  // longest first, handed out one by one: the last tiles of a chunk see the most keys
-  std::sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
+  const std::vector<PrefillTask> tasks = prefill_tasks(ctx_lens, starts, S, KVH, QT);
   std::atomic<int64_t> next{0};
   const int64_t n_tasks = static_cast<int64_t>(tasks.size());
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> qt(D * RP), o(RP * D), pt(KT * RP), kb(KT * D), vb(KT * D), m(RP), l(RP), posf(RP), alpha(RP);
     const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
     for (int64_t i = next++; i < n_tasks; i = next++) {
-      const Task& tk = tasks[i];
+      const PrefillTask& tk = tasks[i];
       const int64_t qlen = starts[tk.s + 1] - starts[tk.s], first = ctx_lens[tk.s] - qlen;
       const int64_t nq = std::min(QT, qlen - tk.t0), rows = nq * G, last = first + tk.t0 + nq - 1;
       for (int64_t r = 0; r < RP; ++r) {
-        posf[r] = r < rows ? static_cast<float>(first + tk.t0 + r / G) : -1.f;  // a pad row sees nothing
         m[r] = -std::numeric_limits<float>::max();  // finite: alpha = exp(m - max) is then 0, not a NaN
         l[r] = 0.f;
+        if (r >= rows) {  // a pad row: no query, sees no key
+          posf[r] = -1.f;
+          for (int64_t d = 0; d < D; ++d) qt[d * RP + r] = 0.f;
+          continue;
+        }
+        posf[r] = static_cast<float>(first + tk.t0 + r / G);
         const float* qr = q + ((starts[tk.s] + tk.t0 + r / G) * H + tk.h * G + r % G) * D;
-        for (int64_t d = 0; d < D; ++d) qt[d * RP + r] = r < rows ? qr[d] * scale : 0.f;
+        for (int64_t d = 0; d < D; ++d) qt[d * RP + r] = qr[d] * scale;
       }
       std::fill(o.begin(), o.end(), 0.f);
       for (int64_t kpos = 0; kpos <= last; kpos += KT) {
@@ -455,14 +461,19 @@ static void prefill_avx2(const float* q, const KV* kc, const KV* vc, const int64
         for (int64_t r0 = 0; r0 < rows; r0 += 16) {
           if (posf[std::min(r0 + 15, rows - 1)] < static_cast<float>(kpos)) continue;  // every key in their future
           for (int j0 = 0; j0 < nk; j0 += 6) scores_tile<6>(qt.data(), kb.data(), pt.data(), D, RP, r0, j0);
-          // online softmax down the keys, 8 rows a vector; key j is visible to a row iff kpos + j <= its position
+          // online softmax down the keys, 8 rows a vector; key j is visible to a row iff kpos + j <= its
+          // position: past the causal diagonal (every row of the 16 sees the whole tile) no mask is needed
+          const bool all_seen = static_cast<float>(kpos + n - 1) <= posf[r0];
           for (int64_t v = r0; v < r0 + 16; v += 8) {
             const __m256 pos = _mm256_loadu_ps(&posf[v]);
             __m256 mx = neg_inf;
             for (int j = 0; j < n; ++j) {
-              const __m256 seen = _mm256_cmp_ps(_mm256_set1_ps(static_cast<float>(kpos + j)), pos, _CMP_LE_OQ);
-              const __m256 sv = _mm256_blendv_ps(neg_inf, _mm256_loadu_ps(&pt[j * RP + v]), seen);
-              _mm256_storeu_ps(&pt[j * RP + v], sv);
+              __m256 sv = _mm256_loadu_ps(&pt[j * RP + v]);
+              if (!all_seen) {
+                const __m256 seen = _mm256_cmp_ps(_mm256_set1_ps(static_cast<float>(kpos + j)), pos, _CMP_LE_OQ);
+                sv = _mm256_blendv_ps(neg_inf, sv, seen);
+                _mm256_storeu_ps(&pt[j * RP + v], sv);
+              }
               mx = _mm256_max_ps(mx, sv);
             }
             const __m256 m_old = _mm256_loadu_ps(&m[v]), m_new = _mm256_max_ps(m_old, mx);
@@ -470,7 +481,8 @@ static void prefill_avx2(const float* q, const KV* kc, const KV* vc, const int64
             __m256 sum = _mm256_setzero_ps();
             for (int j = 0; j < n; ++j) {  // masked scores are -inf: exp8 clamps them, the compare zeroes them
               const __m256 x = _mm256_loadu_ps(&pt[j * RP + v]);
-              const __m256 e = _mm256_and_ps(_mm256_cmp_ps(x, neg_inf, _CMP_NEQ_OQ), exp8(_mm256_sub_ps(x, m_new)));
+              __m256 e = exp8(_mm256_sub_ps(x, m_new));
+              if (!all_seen) e = _mm256_and_ps(_mm256_cmp_ps(x, neg_inf, _CMP_NEQ_OQ), e);
               _mm256_storeu_ps(&pt[j * RP + v], e);
               sum = _mm256_add_ps(sum, e);
             }
