@@ -240,7 +240,8 @@ def prefill_dtypes() -> list:
     return [torch.bfloat16] + ([torch.float32] if cpu_attention.prefill_fast(torch.zeros(1, 3, 16, 64)) else [])
 
 
-def prefill_section() -> list[str]:
+def prefill_section() -> tuple[list[str], list[str]]:
+    """The prefill table's lines, and its rows alone (for the JSON)."""
     rows = []
     for dtype in prefill_dtypes():
         for prefix, chunk in PREFILL_CASES:
@@ -251,7 +252,7 @@ def prefill_section() -> list[str]:
             "rounds. The C++ kernel runs on AMX tiles where the CPU has them (`cpu_attention.amx_prefill`), its "
             "vector kernel beside it; GFLOP/s count the causal products only (4 x 9 heads x 64 a query-key pair).\n",
             "| cache | cached prefix | chunk | SDPA ms | C++ ms | C++ vector ms | C++ GFLOP/s | SDPA / C++ |",
-            "|---|---|---|---|---|---|---|---|"] + rows
+            "|---|---|---|---|---|---|---|---|"] + rows, rows
 
 
 BLOCK_SIZES, BLOCK_CASES = (16, 32, 64, 128), [(64, 256), (64, 640), (16, 512)]
@@ -317,13 +318,13 @@ def main(argv=None) -> int:
     rates = machine_rates()
     out = Path(args.out)
     if args.prefill_only:
+        section, prefill = prefill_section()
         lines = [f"# Prefill attention\n\n- machine: {rates['cpu']}, {rates['cores']} cores, torch {rates['torch']}; "
                  "SmolLM2 geometry (9 heads, 3 KV heads, head_dim 64), blocks of 16 scattered\n"
-                 "- made by `python -m benchmarks.decode_attention --prefill-only`"] + prefill_section()
+                 "- made by `python -m benchmarks.decode_attention --prefill-only`"] + section
         out.mkdir(parents=True, exist_ok=True)
         (out / "report.md").write_text("\n".join(lines) + "\n")
-        (out / "report.json").write_text(json.dumps({"machine": rates, "prefill": lines[-len(PREFILL_CASES) * len(prefill_dtypes()):]},
-                                                     indent=2))
+        (out / "report.json").write_text(json.dumps({"machine": rates, "prefill": prefill}, indent=2))
         print("\n".join(lines))
         return 0
     llc = llc_bytes()
@@ -364,8 +365,7 @@ def main(argv=None) -> int:
             lines.append(f"| {b} x {ctx} {r['kv']} | {r['implementation']} | {r['ms']:.2f} | {r['gbs']:.1f} | "
                          f"{r['probe_gbs']:.1f} | {r['share_of_probe'] * 100:.0f} % | {floor} | {resident} |")
         print("\n".join(lines[-len(rows):]), flush=True)
-    section = prefill_section()
-    prefill = section[-len(PREFILL_CASES) * len(prefill_dtypes()):]
+    section, prefill = prefill_section()
     lines += section
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.md").write_text("\n".join(lines) + "\n")

@@ -434,7 +434,7 @@ static void prefill_avx2(const float* q, const KV* kc, const KV* vc, const int64
       for (int64_t r = 0; r < RP; ++r) {
         m[r] = -std::numeric_limits<float>::max();  // finite: alpha = exp(m - max) is then 0, not a NaN
         l[r] = 0.f;
-        if (r >= rows) {  // a pad row: no query, sees no key
+        if (r >= rows) {  // a pad row: no query, masked before the diagonal, never stored
           posf[r] = -1.f;
           for (int64_t d = 0; d < D; ++d) qt[d * RP + r] = 0.f;
           continue;
