@@ -4,9 +4,9 @@ Build llama.cpp first (`bash benchmarks/llama_cpp_build.sh`, its binaries are fo
 or given with --bin). Two measurements, each run side by side in this one process's lifetime:
 
 - batch-1 decode: `llama-bench -p 0 -n 128` (tg128, 2 threads) against servelab generating 128
-  tokens for one request (tokens after the first over their time), `quant=gguf` and bf16 as they
-  run by default (decode steps as one C++ call), and with decode steps through the eager forward
-  (`backend.native_decode=false`) or, for gguf, inductor's graph (`backend.compile=true`, its compile
+  tokens for one request (tokens after the first over their time), `quant=gguf` and the defaults'
+  dtype (bf16, or fp32 on CPUs without native bf16) as they run by default (decode steps as one C++
+  call), and with decode steps through the eager forward (`backend.native_decode=false`) or, for gguf, inductor's graph (`backend.compile=true`, its compile
   paid in the warm-up);
 - load: N streams back to back (GuideLLM's constant concurrency), fixed prompt/output lengths,
   the same locust bench (`python -m core bench`) against `llama-server -np N` and against
@@ -105,18 +105,28 @@ def row(name: str, s: dict) -> str:
 
 
 EAGER = "backend.native_decode=false"  # decode steps through the eager forward (or the compiled graph)
-VARIANTS = {  # name: (report tag, overrides); the default runs decode steps as one C++ call
-    "servelab quant=gguf": ("gguf", ["quant=gguf"]),
-    f"servelab quant=gguf {EAGER}": ("gguf-eager", ["quant=gguf", EAGER]),
-    f"servelab quant=gguf backend.compile=true {EAGER}": ("gguf-compiled", ["quant=gguf", "backend.compile=true", EAGER]),
-    "servelab bf16": ("bf16", ["model.dtype=bf16"]),
-    f"servelab bf16 {EAGER}": ("bf16-eager", ["model.dtype=bf16", EAGER]),
-}
-LOAD_TAGS = ("gguf", "gguf-eager", "bf16")  # the load runs (each a server start and a locust run)
+LOAD_TAGS = ("gguf", "gguf-eager", "dense")  # the load runs (each a server start and a locust run)
+
+
+def variants(dense: str) -> dict[str, tuple[str, list[str]]]:
+    """name: (report tag, overrides); the default runs decode steps as one C++ call. The unquantized
+    rows run the defaults, named by the dtype `model.dtype=auto` takes on this CPU (`dense`): bf16
+    where it has native bf16, fp32 (with a bf16 KV cache) where bf16 would be emulated (AVX2-only
+    x86), so they show what a user gets rather than an emulated path."""
+    return {
+        "servelab quant=gguf": ("gguf", ["quant=gguf"]),
+        f"servelab quant=gguf {EAGER}": ("gguf-eager", ["quant=gguf", EAGER]),
+        f"servelab quant=gguf backend.compile=true {EAGER}": ("gguf-compiled", ["quant=gguf", "backend.compile=true", EAGER]),
+        f"servelab {dense} (the defaults)": ("dense", []),
+        f"servelab {dense} {EAGER}": ("dense-eager", [EAGER]),
+    }
 
 
 def main(argv=None) -> int:
+    import torch
+
     from core.bench.roofline import machine_info
+    from core.engine.defaults import native_bf16
     from core.model.default_model import default_model_path
 
     ap = argparse.ArgumentParser(prog="python -m benchmarks.vs_llama_cpp")
@@ -138,10 +148,12 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"machine": machine_info(), "gguf": str(gguf), "args": {k: str(v) for k, v in vars(args).items()},
               "batch1": {"llama.cpp (llama-bench tg128)": llama_bench(args.bin, gguf, args.threads, args.reps)}}
-    for name, (_, ov) in VARIANTS.items():
+    dense = "bf16" if native_bf16(torch.device("cpu")) else "fp32"
+    runs = variants(dense)
+    for name, (_, ov) in runs.items():
         result["batch1"][name] = servelab_batch1(ov + [f"backend.num_threads={args.threads}"], args.reps)
     result["load"] = {f"llama-server -np {args.streams}": llama_server_load(args.bin, gguf, args.out, args)}
-    for name, (tag, ov) in VARIANTS.items():
+    for name, (tag, ov) in runs.items():
         if tag in LOAD_TAGS:
             result["load"][name] = bench(f"servelab-{tag}", args.out, args, ov)
     (args.out / "report.json").write_text(json.dumps(result, indent=2))
