@@ -55,7 +55,7 @@ def new_plan(cos: torch.Tensor, sin: torch.Tensor, final_norm: torch.Tensor, num
 def settings() -> tuple:
     """The switches and thresholds a plan is built with: rebuild it when these change."""
     return (linear.gemv_rows(), linear._pack_weights.on, amx_linear.switch.on, dot_linear.switch.on, fp32_linear.switch.on,
-            cpu_ops._enabled.on, _forced.on, cpu_quant.q4_gemv_rows(), cpu_quant.q8_gemv_rows(),
+            fp32_linear.bf16_lines.on,            cpu_ops._enabled.on, _forced.on, cpu_quant.q4_gemv_rows(), cpu_quant.q8_gemv_rows(),
             cpu_quant._int_gemm.on, cpu_quant._bf16_dot.on)
 
 
@@ -79,7 +79,7 @@ def linear_spec(mod: nn.Module, dtype: torch.dtype) -> tuple | None:
         probe = w.new_empty(1, w.shape[1])  # the eager tests look at x's dtype and width only
         packed = mod.packed_weight() if linear.use_packed(probe, w) else None
         layout = linear._layout(w) if packed is not None else None  # the copy the eager Linear takes
-        if layout in ("dot", "fp32"):  # the eager Linear takes these tiles at every row count
+        if layout in ("dot", "fp32", "fp32-bf16"):  # the eager Linear takes these tiles at every row count
             return DOT if layout == "dot" else FP32, False, w, None, packed, bias
         return TILES if layout == "tiles" else DENSE, linear.use_gemv(probe, w, bias), w, None, packed, bias
     if type(mod) is Int4Linear:

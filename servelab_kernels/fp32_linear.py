@@ -18,6 +18,14 @@ dequantized a panel at a time.
 Sums run over k in order, one FMA a product, the bias added last: the same products as F.linear in
 another order, so the two agree to fp32 rounding. `enabled(False)` turns it off for A/B runs:
 fp32 linears then take F.linear, as before.
+
+The copy may be packed in bf16 instead (`weights("bf16")`, `backend.fp32_linear_weights`, which
+`model.dtype=auto` takes where it ran fp32 for want of native bf16): the same tiles widen each line
+as they stream it (two unpacks, no lane crossing), the products and sums stay fp32, and a step
+streams half the bytes. Measured on the 2-core Zen 3 (30 layers of SmolLM2's four linear shapes plus
+the head, fp32 activations, alternating, medians): 1.6-1.8x the fp32 copy at 1-4 rows, 1.3-1.4x at
+8-24, 1.0-1.2x at 32-256 (compute-bound there; widening the panel once per call instead was no
+better). The weights are then rounded to bf16, the products exact in fp32: `linear_ref(x, W.bf16())`.
 """
 
 from __future__ import annotations
@@ -28,12 +36,25 @@ from servelab_kernels import cpu_ops
 from servelab_kernels.dispatch import Switch
 
 switch = Switch()
+bf16_lines = Switch(False)  # the packed copies in bf16 (the layout "fp32-bf16" of servelab_kernels.linear)
 _READY: bool | None = None
 
 
 def enabled(on: bool):
     """`with fp32_linear.enabled(False):` fp32 linears take F.linear instead."""
     return switch.set(on)
+
+
+def weights(dtype: str):
+    """`with fp32_linear.weights("bf16"):` fp32 linears multiply by a copy packed in bf16 (half the
+    bytes a step streams; the products still in fp32), "fp32" by one in fp32."""
+    if dtype not in ("fp32", "bf16"):
+        raise ValueError(f"fp32_linear.weights: 'fp32' or 'bf16', not {dtype!r}")
+    return bf16_lines.set(dtype == "bf16")
+
+
+def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
+    return pack(weight, torch.bfloat16)
 
 
 def ready() -> bool:
@@ -55,10 +76,21 @@ def use(weight: torch.Tensor) -> bool:
     return switch.on and weight.dtype == torch.float32 and fits(weight) and ready()
 
 
-def pack(weight: torch.Tensor) -> torch.Tensor:
-    """W [N, K] fp32 as [N/16, K, 16]: element (p, k, c) = W[16 p + c][k]."""
+# A bf16 line's column order (csrc/cpu_fp32_tile.cpp): interleaved with zeros, its two halves
+# give outputs 0-7 and 8-15 as fp32.
+BF16_LINE = (0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15)
+
+
+def pack(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """W [N, K] as [N/16, K, 16]: element (p, k, c) = W[16 p + c][k] in fp32; in bf16 (rounded to
+    nearest) element (p, k, c) = W[16 p + BF16_LINE[c]][k]."""
     n, k = weight.shape
-    return weight.detach().reshape(n // 16, 16, k).transpose(1, 2).contiguous()
+    lines = weight.detach().reshape(n // 16, 16, k)
+    if dtype == torch.bfloat16:
+        lines = lines[:, list(BF16_LINE)].to(torch.bfloat16)
+    elif dtype != torch.float32:
+        raise ValueError(f"fp32_linear.pack: fp32 or bf16 lines, not {dtype}")
+    return lines.transpose(1, 2).contiguous()
 
 
 def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -146,7 +146,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if torch.compiler.is_compiling():  # first: a test on the number of rows would guard on it in the graph
         return _graph_linear(x, weight, bias)
     layout = _layout(weight) if packed is not None and use_packed(x, weight) else None
-    if layout in ("dot", "fp32"):
+    if layout in ("dot", "fp32", "fp32-bf16"):
         packed_weight = packed()  # these tiles win from one row on (dot_linear's, fp32_linear's docstrings)
         if packed_weight is not None:
             return _KERNELS[layout].linear(x, packed_weight, bias)
@@ -241,7 +241,7 @@ class Linear(nn.Linear):
     (made at the first call that needs it, again whenever the weight changes)."""
 
     # (the weight's storage pointer, its version, its shape, {layout: the packed copy or None where
-    # there was no room}), the layout "tiles", "dot", "fp32" or "onednn" (`_layout`); a weight replaced or changed
+    # there was no room}), the layout "tiles", "dot", "fp32", "fp32-bf16" or "onednn" (`_layout`); a weight replaced or changed
     # in place through autograd's view of it is packed again. A layout is made when first asked for,
     # so an A/B run that flips `amx_linear.enabled` holds both (and times neither's packing)
     _packed: tuple | None = None
@@ -259,10 +259,10 @@ class Linear(nn.Linear):
         layout = _layout(w)
         copies = self._packed[3]
         if layout not in copies:
-            nbytes = w.numel() * w.element_size()
+            nbytes = w.numel() * (2 if layout == "fp32-bf16" else w.element_size())
             packed = None
             if _room_to_pack(nbytes):
-                packed = _KERNELS[layout].pack(w) if layout in _KERNELS else pack_weight(w)
+                packed = _PACK[layout](w) if layout in _PACK else pack_weight(w)
                 _packed_bytes += nbytes
                 weakref.finalize(packed, _release, nbytes)
             copies[layout] = packed
@@ -274,15 +274,16 @@ class Linear(nn.Linear):
 
 
 # the packed layouts servelab's own kernels multiply by (pack, linear); "onednn" is torch's
-_KERNELS = {"tiles": amx_linear, "dot": dot_linear, "fp32": fp32_linear}
+_KERNELS = {"tiles": amx_linear, "dot": dot_linear, "fp32": fp32_linear, "fp32-bf16": fp32_linear}
+_PACK = {"tiles": amx_linear.pack, "dot": dot_linear.pack, "fp32": fp32_linear.pack, "fp32-bf16": fp32_linear.pack_bf16}
 
 
 def _layout(weight: torch.Tensor) -> str:
     """Which packed copy a weight's calls take now: an fp32 weight fp32_linear's (`use_packed` asked
-    `fp32_linear.use`); a bf16 one the tiles' (`amx_linear.use`), the dot products' (`dot_linear.use`)
+    `fp32_linear.use`), in fp32 or, under `fp32_linear.weights("bf16")`, in bf16; a bf16 one the tiles' (`amx_linear.use`), the dot products' (`dot_linear.use`)
     or oneDNN's."""
     if weight.dtype == torch.float32:
-        return "fp32"
+        return "fp32-bf16" if fp32_linear.bf16_lines.on else "fp32"
     if amx_linear.use(weight):
         return "tiles"
     return "dot" if dot_linear.use(weight) else "onednn"

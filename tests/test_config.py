@@ -130,6 +130,8 @@ def test_fp32_for_want_of_bf16_keeps_its_kv_cache_in_bf16(monkeypatch, overrides
     monkeypatch.setattr(defaults, "cpu_feature_flags", lambda: {"avx2", "fma"})
     ec = engine_config(compose(["model.device=cpu", *overrides]))
     assert ec.model.dtype == "fp32" and ec.cache.dtype == cache_dtype
+    # the linears' packed copies likewise: bf16 where auto took fp32, fp32 where the config named it
+    assert ec.backend.fp32_linear_weights == ("auto" if "model.dtype=fp32" in overrides else "bf16")
     args = ModelArgs(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
                      head_dim=16)
     want = {"bf16": torch.bfloat16, "auto": torch.float32, "fp32": torch.float32, "int8": torch.int8}[cache_dtype]
@@ -137,6 +139,10 @@ def test_fp32_for_want_of_bf16_keeps_its_kv_cache_in_bf16(monkeypatch, overrides
     monkeypatch.setattr(defaults, "cpu_feature_flags", lambda: {"avx512_bf16"})
     native = engine_config(compose(["model.device=cpu"]))
     assert native.model.dtype == "bf16" and native.cache.dtype == "auto"  # the cache follows a bf16 model
+    assert native.backend.fp32_linear_weights == "auto"
+    monkeypatch.setattr(defaults, "cpu_feature_flags", lambda: {"avx2", "fma"})
+    named = engine_config(compose(["model.device=cpu", "backend.fp32_linear_weights=fp32"]))
+    assert named.model.dtype == "fp32" and named.backend.fp32_linear_weights == "fp32"  # named: kept
 
 
 def test_fp32_for_want_of_bf16_is_said_at_engine_start_not_while_validating(monkeypatch, tiny_llama, caplog):
@@ -152,7 +158,9 @@ def test_fp32_for_want_of_bf16_is_said_at_engine_start_not_while_validating(monk
         ec = engine_config(compose(["model.device=cpu", f"model.path={tiny_llama}", "model.max_model_len=64"]))
         assert ec.model.dtype == "fp32" and caplog.text == ""
         Engine(ec)
-    assert "model: fp32, as this CPU has no native bf16" in caplog.text and "KV cache in bf16" in caplog.text
+    assert "model: fp32, as this CPU has no native bf16" in caplog.text
+    assert ("(linear weights and KV cache stored in bf16; fp32 with backend.fp32_linear_weights=fp32, "
+            "cache.dtype=fp32)") in caplog.text
     assert defaults.describe_dtype(replace(ec, model=replace(ec.model, dtype="bf16")), torch.device("cpu")) is None
     monkeypatch.setattr(defaults, "cpu_feature_flags", lambda: {"avx512_bf16"})
     assert defaults.describe_dtype(ec, torch.device("cpu")) is None  # fp32 asked for where bf16 is native

@@ -65,6 +65,7 @@ def prompts(n: int, vocab: int = 250) -> list[list[int]]:
 CASES = {  # name: overrides on a tiny model (2 layers, hidden 64, 4 heads, 2 KV heads)
     "bf16": ["model.dtype=bf16"],
     "fp32": ["model.dtype=fp32"],
+    "fp32-bf16-lines": ["model.dtype=fp32", "backend.fp32_linear_weights=bf16"],  # fp32 tiles over bf16 copies
     "int8": ["model.dtype=bf16", "quant=int8"],
     "int4": ["model.dtype=bf16", "quant=int4"],
     "int8-fp32": ["model.dtype=fp32", "quant=int8"],

@@ -42,17 +42,31 @@ def test_the_layout_by_its_own_words():
     assert fp32_linear.fits(w) and not fp32_linear.fits(_randn(40, 36))
 
 
+def test_the_bf16_layout_by_its_own_words():
+    """A bf16 line holds outputs 0-3, 8-11, 4-7, 12-15 (the order the tiles' unpacks undo), rounded to nearest."""
+    w = _randn(48, 36)
+    p = fp32_linear.pack(w, torch.bfloat16)
+    assert p.shape == (3, 36, 16) and p.is_contiguous() and p.dtype == torch.bfloat16
+    assert p[2, 7, 4] == w[2 * 16 + 8, 7].bfloat16() and p[2, 7, 9] == w[2 * 16 + 5, 7].bfloat16()
+    order = torch.tensor(fp32_linear.BF16_LINE)
+    assert torch.equal(p.transpose(1, 2)[:, order.argsort()].reshape(48, 36), w.bfloat16())
+    with pytest.raises(ValueError, match="fp32 or bf16 lines, not torch.float16"):
+        fp32_linear.pack(w, torch.float16)
+
+
 @pytest.mark.parametrize("m", [1, 5, 6, 7, 13, 64])  # a tile of 6 rows, remainders of 1 and 5, many tiles
 @pytest.mark.parametrize("n, k", [(16, 64), (48, 37), (960, 576), (576, 1536)])  # an odd K, SmolLM2's shapes
-def test_fp32_linear_is_the_fp32_sum(m, n, k):
+@pytest.mark.parametrize("lines", [torch.float32, torch.bfloat16])
+def test_fp32_linear_is_the_fp32_sum(m, n, k, lines):
+    """Over bf16 lines: the fp32 sum of the products with the weights rounded to bf16 (exact in fp32)."""
     x, w = _randn(m, k), _randn(n, k, scale=k**-0.5)
     if not built():
         with pytest.raises(RuntimeError, match="this build has no AVX2 FMA tiles"):
-            fp32_linear.linear(x, fp32_linear.pack(w), None)
+            fp32_linear.linear(x, fp32_linear.pack(w, lines), None)
         return
-    got = fp32_linear.linear(x, fp32_linear.pack(w), None)
+    got = fp32_linear.linear(x, fp32_linear.pack(w, lines), None)
     assert got.dtype == torch.float32 and got.shape == (m, n)
-    _assert_fp32_sum(got, x, w)
+    _assert_fp32_sum(got, x, w.to(lines).float())
 
 
 def test_fp32_linear_reads_strided_rows_and_adds_the_bias():
@@ -73,8 +87,10 @@ def test_fp32_linear_reads_strided_rows_and_adds_the_bias():
 def test_fp32_linear_refuses_what_it_cannot_compute():
     packed = fp32_linear.pack(_randn(32, 64))
     op = torch.ops.servelab_cpu_ops.fp32_linear
-    with pytest.raises(RuntimeError, match="fp32_linear.pack of an fp32 weight \\[N, K\\] with x's K"):
+    with pytest.raises(RuntimeError, match="fp32_linear.pack of a weight \\[N, K\\] with x's K \\(fp32 or bf16 lines\\)"):
         op(_randn(4, 96), packed, None)
+    with pytest.raises(RuntimeError, match="fp32 or bf16 lines"):
+        op(_randn(4, 64), packed.half(), None)
     with pytest.raises(RuntimeError, match="bias \\[N\\]"):
         op(_randn(4, 64), packed, _randn(31))
     with pytest.raises(RuntimeError, match="x fp32"):
@@ -148,3 +164,54 @@ def test_an_int8_weight_whose_inputs_are_not_whole_lanes_keeps_the_dequantized_g
     x, w = _randn(20, 36), torch.randint(-127, 128, (32, 36), generator=GEN, dtype=torch.int8)
     scales = (torch.rand(32, generator=GEN) * 0.01).to(torch.bfloat16)
     _assert_fp32_sum(cpu_quant.ops().q8_matmul(x, w, scales, 16, True), x, w.float() * scales.float()[:, None])
+
+
+def test_backend_fp32_linear_weights_bf16_packs_half_the_bytes_and_rounds_only_the_weights(tiny_dirs):
+    """`backend.fp32_linear_weights=bf16`: the linears' copies are bf16 lines (eager steps and the native
+    plan alike), and the logits are those of the same fp32 model with its linear weights rounded to bf16."""
+    base = [f"model.path={tiny_dirs['llama']}", "model.dtype=fp32", "attention=cpu"]
+    half = build(base + ["backend.fp32_linear_weights=bf16"])
+    if not built():  # the layout is never taken where the tiles did not build
+        assert not any(getattr(m, "_packed", None) for m in half.model.modules())
+        return
+    a, ran = decode_logits(half, prompts(8))
+    assert ran > 0 and _layouts(half) == {"fp32-bf16"}
+    copies = [m._packed[3]["fp32-bf16"] for m in half.model.modules() if getattr(m, "_packed", None)]
+    assert len(copies) >= 8 and all(c.dtype == torch.bfloat16 for c in copies if c is not None)
+    rounded = build(base + ["backend.fp32_linear_weights=fp32"])
+    with torch.no_grad():
+        for m in rounded.model.modules():
+            if isinstance(m, lin.Linear) and fp32_linear.fits(m.weight):
+                m.weight.copy_(m.weight.bfloat16().float())  # repacked: the copy follows the weight's version
+    b, _ = decode_logits(rounded, prompts(8))
+    assert _layouts(rounded) == {"fp32"}
+    for x, y in zip(a, b):  # the same products (bf16 values in fp32), summed in the same order
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-5)
+
+
+def test_backend_fp32_linear_weights_refuses_another_dtype(tiny_dirs):
+    with pytest.raises(ConfigError, match="backend.fp32_linear_weights must be auto, fp32 or bf16, not 'fp16'"):
+        build([f"model.path={tiny_dirs['llama']}", "backend.fp32_linear_weights=fp16"])
+
+
+def test_the_evals_teacher_forced_logits_take_the_engines_weights(tiny_dirs):
+    """The eval scores a variant with a forward outside the engine's steps: it must multiply by the
+    copies the steps take (bf16 lines here), else `bf16-weights` would score the fp32 model."""
+    from core.bench.evaluate import _kv_forward
+
+    base = [f"model.path={tiny_dirs['llama']}", "model.dtype=fp32", "attention=cpu"]
+    ids = prompts(1)[0] * 4
+    plain = _kv_forward(build(base + ["backend.fp32_linear_weights=fp32"]), ids)
+    half = build(base + ["backend.fp32_linear_weights=bf16"])
+    got = _kv_forward(half, ids)
+    if not built():
+        assert torch.equal(got, plain)
+        return
+    assert _layouts(half) == {"fp32-bf16"} and not fp32_linear.bf16_lines.on  # the switch is back off
+    rounded = build(base + ["backend.fp32_linear_weights=fp32"])
+    with torch.no_grad():
+        for m in rounded.model.modules():
+            if isinstance(m, lin.Linear) and fp32_linear.fits(m.weight):
+                m.weight.copy_(m.weight.bfloat16().float())
+    torch.testing.assert_close(got, _kv_forward(rounded, ids), rtol=1e-5, atol=1e-5)
+    assert (got - plain).abs().max() > 1e-4  # and the rounding shows: the test can tell the two apart

@@ -11,6 +11,7 @@ is compared with the unquantized baseline on the same model file:
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import math
@@ -59,8 +60,11 @@ def heldout_text() -> str:
 
 
 def _kv_forward(engine: Engine, ids: list[int]) -> torch.Tensor:
-    """Teacher-forced logits through the variant's model, attention backend and KV-cache dtype."""
-    return forward_prompt(engine.model, ids, engine.attention, engine.kv_spec).float()
+    """Teacher-forced logits through the variant's model, its kernels (the backend's layouts, as its steps
+    take them), attention backend and KV-cache dtype."""
+    layouts = getattr(engine.backend, "layouts", contextlib.nullcontext)  # the kernels the engine's steps take
+    with layouts():
+        return forward_prompt(engine.model, ids, engine.attention, engine.kv_spec).float()
 
 
 def _prompt_ids(engine: Engine) -> dict[str, list[list[int]]]:

@@ -7,7 +7,8 @@ On the CPU, decode-only steps run as one C++ call (`backend.native_decode`, on w
 core/model/decode_plan.py), the same kernels as the eager forward without Python between them, and
 on CPUs with AMX-BF16 tiles bf16 linears multiply on them (`backend.amx_linear`, on where it applies),
 on AVX512-BF16 CPUs without them on bf16 dot products over a copy packed for them (`backend.dot_linear`),
-and on AVX2 CPUs without AVX-512 fp32 linears on FMA tiles over such a copy (`backend.fp32_linear`).
+and on AVX2 CPUs without AVX-512 fp32 linears on FMA tiles over such a copy (`backend.fp32_linear`),
+packed in bf16 where `model.dtype=auto` took fp32 (`backend.fp32_linear_weights`).
 With `backend.compile=true` the forward of every other step runs through torch.compile (see
 plugins/backends/compiled.py): off by default, as the first steps pay its compile time.
 """
@@ -56,6 +57,9 @@ class TorchBackendConfig(BackendConfig):
     # fp32 linears on AVX2 FMA tiles (servelab_kernels/fp32_linear.py). None: where the CPU has AVX2 and no
     # AVX-512; true: refuse to start elsewhere; false: F.linear
     fp32_linear: bool | None = None
+    # the dtype of those tiles' packed weights: "bf16" halves the bytes a step streams (the products and
+    # sums stay fp32); "auto": bf16 where model.dtype=auto took fp32 for want of native bf16, else fp32
+    fp32_linear_weights: str = "auto"
 
 
 def _cpu_layout(wanted: bool | None, ready, device: torch.device, what: str, lacking: str) -> bool:
@@ -98,6 +102,10 @@ class TorchBackend:
         self.fp32_linear = _cpu_layout(config.fp32_linear, fp32_linear.ready, device,
                                        "backend.fp32_linear=true multiplies fp32 on AVX2 FMA tiles where the CPU "
                                        "has no AVX-512", "does not")
+        if config.fp32_linear_weights not in ("auto", "fp32", "bf16"):
+            raise ConfigError(f"backend.fp32_linear_weights must be auto, fp32 or bf16, not {config.fp32_linear_weights!r}")
+        # auto is resolved with model.dtype (core/engine/defaults.py): left auto, the model's dtype was named
+        self.fp32_weights = "bf16" if config.fp32_linear_weights == "bf16" else "fp32"
 
     def init_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self.kv_caches = self.attention.allocate_kv_cache(num_blocks, block_size, self.spec, self.device)
@@ -109,7 +117,7 @@ class TorchBackend:
             log.info("captured %d CUDA graphs of decode steps (batch sizes %s) in %.1f s", len(self.graphs.sizes),
                      self.graphs.sizes, time.perf_counter() - t0)
         if self.native_wanted:
-            with self._layouts():  # the plan's layers take their packed copies in this engine's layout
+            with self.layouts():  # the plan's layers take their packed copies in this engine's layout
                 self._native_decode()
 
     def _native_decode(self) -> None:
@@ -130,14 +138,15 @@ class TorchBackend:
 
     @torch.inference_mode()
     def execute(self, batch: ModelInput) -> torch.Tensor:
-        with self._layouts():  # process-wide switches, set for this engine's step only
+        with self.layouts():  # process-wide switches, set for this engine's step only
             return self._execute(batch)
 
     @contextlib.contextmanager
-    def _layouts(self):
-        """This engine's packed-weight layouts (amx_linear, dot_linear, fp32_linear), set while it runs a step."""
+    def layouts(self):
+        """This engine's packed-weight layouts (amx_linear, dot_linear, fp32_linear and its weights' dtype),
+        set while it runs a step; a forward outside `execute` (the eval's teacher-forced one) enters it too."""
         with amx_linear.enabled(self.amx_linear), dot_linear.enabled(self.dot_linear), \
-                fp32_linear.enabled(self.fp32_linear):
+                fp32_linear.enabled(self.fp32_linear), fp32_linear.weights(self.fp32_weights):
             yield
 
     def _execute(self, batch: ModelInput) -> torch.Tensor:

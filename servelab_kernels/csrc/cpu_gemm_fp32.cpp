@@ -1,4 +1,4 @@
-// fp32 x fp32 -> fp32 matmul on AVX2 FMA over a weight packed once, for CPUs without AVX-512 (where
+// fp32 x fp32 (or bf16) -> fp32 matmul on AVX2 FMA over a weight packed once, for CPUs without AVX-512 (where
 // model.dtype=auto runs fp32): see servelab_kernels/fp32_linear.py. Built with cpu_ops, after
 // csrc/cpu_fp32_tile.cpp (the register tiles).
 //
@@ -18,8 +18,9 @@ torch::Tensor fp32_linear(torch::Tensor x, torch::Tensor packed, c10::optional<t
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1,
               "fp32_linear: x fp32 [M, K] with contiguous columns");
   TORCH_CHECK(packed.dim() == 3 && packed.size(2) == 16 && packed.is_contiguous() &&
-                  packed.scalar_type() == at::kFloat && packed.size(1) == x.size(1),
-              "fp32_linear: packed must be fp32_linear.pack of an fp32 weight [N, K] with x's K");
+                  (packed.scalar_type() == at::kFloat || packed.scalar_type() == at::kBFloat16) &&
+                  packed.size(1) == x.size(1),
+              "fp32_linear: packed must be fp32_linear.pack of a weight [N, K] with x's K (fp32 or bf16 lines)");
   const int64_t M = x.size(0), K = x.size(1), panels = packed.size(0), N = panels * 16;
   TORCH_CHECK(!bias || bias->numel() == N, "fp32_linear: bias [N]");
 #ifdef SERVELAB_FP32_TILES
@@ -29,13 +30,18 @@ torch::Tensor fp32_linear(torch::Tensor x, torch::Tensor packed, c10::optional<t
   at::Tensor b;
   if (bias) b = bias->to(at::kFloat).contiguous();
   const float* bp = bias ? b.data_ptr<float>() : nullptr;
-  const float* wp = packed.data_ptr<float>();
   const float* xp = xc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p)
-      fp32tile::panel(wp + p * 16 * K, M, K, xp, bp ? bp + p * 16 : nullptr, yp + p * 16, N);
-  });
+  auto run = [&](auto* wp) {
+    at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p)
+        fp32tile::panel(wp + p * 16 * K, M, K, xp, bp ? bp + p * 16 : nullptr, yp + p * 16, N);
+    });
+  };
+  if (packed.scalar_type() == at::kBFloat16)  // widened as the tiles stream it (see cpu_fp32_tile.cpp)
+    run(reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>()));
+  else
+    run(packed.data_ptr<float>());
   return y;
 #else
   (void)M, (void)K;
