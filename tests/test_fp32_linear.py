@@ -166,6 +166,16 @@ def test_an_int8_weight_whose_inputs_are_not_whole_lanes_keeps_the_dequantized_g
     _assert_fp32_sum(cpu_quant.ops().q8_matmul(x, w, scales, 16, True), x, w.float() * scales.float()[:, None])
 
 
+def _rounded_weights(engine):
+    """The engine with the weights its tiles take rounded to bf16 in place (their fp32 copies are made
+    again: a copy follows its weight's version)."""
+    with torch.no_grad():
+        for m in engine.model.modules():
+            if isinstance(m, lin.Linear) and fp32_linear.fits(m.weight):
+                m.weight.copy_(m.weight.bfloat16().float())
+    return engine
+
+
 def test_backend_fp32_linear_weights_bf16_packs_half_the_bytes_and_rounds_only_the_weights(tiny_dirs):
     """`backend.fp32_linear_weights=bf16`: the linears' copies are bf16 lines (eager steps and the native
     plan alike), and the logits are those of the same fp32 model with its linear weights rounded to bf16."""
@@ -178,11 +188,7 @@ def test_backend_fp32_linear_weights_bf16_packs_half_the_bytes_and_rounds_only_t
     assert ran > 0 and _layouts(half) == {"fp32-bf16"}
     copies = [m._packed[3]["fp32-bf16"] for m in half.model.modules() if getattr(m, "_packed", None)]
     assert len(copies) >= 8 and all(c.dtype == torch.bfloat16 for c in copies if c is not None)
-    rounded = build(base + ["backend.fp32_linear_weights=fp32"])
-    with torch.no_grad():
-        for m in rounded.model.modules():
-            if isinstance(m, lin.Linear) and fp32_linear.fits(m.weight):
-                m.weight.copy_(m.weight.bfloat16().float())  # repacked: the copy follows the weight's version
+    rounded = _rounded_weights(build(base + ["backend.fp32_linear_weights=fp32"]))
     b, _ = decode_logits(rounded, prompts(8))
     assert _layouts(rounded) == {"fp32"}
     for x, y in zip(a, b):  # the same products (bf16 values in fp32), summed in the same order
@@ -208,10 +214,6 @@ def test_the_evals_teacher_forced_logits_take_the_engines_weights(tiny_dirs):
         assert torch.equal(got, plain)
         return
     assert _layouts(half) == {"fp32-bf16"} and not fp32_linear.bf16_lines.on  # the switch is back off
-    rounded = build(base + ["backend.fp32_linear_weights=fp32"])
-    with torch.no_grad():
-        for m in rounded.model.modules():
-            if isinstance(m, lin.Linear) and fp32_linear.fits(m.weight):
-                m.weight.copy_(m.weight.bfloat16().float())
+    rounded = _rounded_weights(build(base + ["backend.fp32_linear_weights=fp32"]))
     torch.testing.assert_close(got, _kv_forward(rounded, ids), rtol=1e-5, atol=1e-5)
     assert (got - plain).abs().max() > 1e-4  # and the rounding shows: the test can tell the two apart
