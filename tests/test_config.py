@@ -143,6 +143,11 @@ def test_fp32_for_want_of_bf16_keeps_its_kv_cache_in_bf16(monkeypatch, overrides
     monkeypatch.setattr(defaults, "cpu_feature_flags", lambda: {"avx2", "fma"})
     named = engine_config(compose(["model.device=cpu", "backend.fp32_linear_weights=fp32"]))
     assert named.model.dtype == "fp32" and named.backend.fp32_linear_weights == "fp32"  # named: kept
+    # AVX-512 without bf16 (Skylake to Ice Lake servers): fp32 and a bf16 cache, but oneDNN's kernels take
+    # the linears there, over fp32 weights: no bf16 copy is claimed
+    monkeypatch.setattr(defaults, "cpu_feature_flags", lambda: {"avx2", "fma", "avx512f"})
+    skx = engine_config(compose(["model.device=cpu"]))
+    assert (skx.model.dtype, skx.cache.dtype, skx.backend.fp32_linear_weights) == ("fp32", "bf16", "auto")
 
 
 def test_fp32_for_want_of_bf16_is_said_at_engine_start_not_while_validating(monkeypatch, tiny_llama, caplog):
@@ -161,6 +166,10 @@ def test_fp32_for_want_of_bf16_is_said_at_engine_start_not_while_validating(monk
     assert "model: fp32, as this CPU has no native bf16" in caplog.text
     assert ("(linear weights and KV cache stored in bf16; fp32 with backend.fp32_linear_weights=fp32, "
             "cache.dtype=fp32)") in caplog.text
+    # where oneDNN's kernels take fp32 linears (AVX-512), a bf16 copy named in the config is not claimed
+    monkeypatch.setattr(defaults, "cpu_feature_flags", lambda: {"avx2", "fma", "avx512f"})
+    assert defaults.describe_dtype(ec, torch.device("cpu")).endswith(
+        "(KV cache stored in bf16; fp32 with cache.dtype=fp32)")
     assert defaults.describe_dtype(replace(ec, model=replace(ec.model, dtype="bf16")), torch.device("cpu")) is None
     monkeypatch.setattr(defaults, "cpu_feature_flags", lambda: {"avx512_bf16"})
     assert defaults.describe_dtype(ec, torch.device("cpu")) is None  # fp32 asked for where bf16 is native

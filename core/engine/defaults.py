@@ -32,6 +32,14 @@ BLOCK_SIZE = {"cpu": 64, "cuda": 16}
 NATIVE_BF16_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}  # x86 flags; `bf16` is the Arm Features name
 
 
+def fp32_tiles(device: torch.device) -> bool:
+    """Whether fp32 linears multiply on servelab's AVX2 FMA tiles here (servelab_kernels/fp32_linear.py:
+    AVX2 and FMA, no AVX-512, where oneDNN's kernels serve), read from the CPU's flags without building
+    the kernels: the CPUs whose packed weights `backend.fp32_linear_weights` stores."""
+    flags = cpu_feature_flags()
+    return device.type == "cpu" and {"avx2", "fma"} <= flags and "avx512f" not in flags
+
+
 def native_bf16(device: torch.device) -> bool:
     """Whether the device multiplies bf16 in hardware (else bf16 is emulated and slower than fp32)."""
     if device.type == "cuda":
@@ -102,7 +110,8 @@ def fill_device_defaults(ec: EngineConfig, simulated: bool) -> None:
         # fp32 copy's speed at 1-4 rows on a 2-core Zen 3 (servelab_kernels/fp32_linear.py), batch-1 decode
         # 1.48-1.57x, 64-row steps unchanged (compute-bound); perplexity 17.571 against 17.539
         # (reports/bf16-weights-*-zen3, reports/quant-eval-bf16-weights-zen3)
-        if ec.model.dtype == "fp32" and getattr(ec.backend, "fp32_linear_weights", None) == "auto":
+        if ec.model.dtype == "fp32" and getattr(ec.backend, "fp32_linear_weights", None) == "auto" and \
+                not simulated and fp32_tiles(resolve_device(ec.model.device)):
             ec.backend.fp32_linear_weights = "bf16"
 
 
@@ -111,7 +120,8 @@ def describe_dtype(ec: EngineConfig, device: torch.device) -> str | None:
     once the config is valid, beside the KV pool, so that a config error stays one line)."""
     if ec.model.dtype == "fp32" and device.type == "cpu" and not native_bf16(device):
         stored = [(what, key) for what, key, dtype in (
-            ("linear weights", "backend.fp32_linear_weights", getattr(ec.backend, "fp32_linear_weights", None)),
+            ("linear weights", "backend.fp32_linear_weights",
+             getattr(ec.backend, "fp32_linear_weights", None) if fp32_tiles(device) else None),
             ("KV cache", "cache.dtype", getattr(ec.cache, "dtype", None))) if dtype == "bf16"]
         kv = (f" ({' and '.join(w for w, _ in stored)} stored in bf16; fp32 with "
               f"{', '.join(f'{k}=fp32' for _, k in stored)})") if stored else ""

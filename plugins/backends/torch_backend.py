@@ -58,7 +58,8 @@ class TorchBackendConfig(BackendConfig):
     # AVX-512; true: refuse to start elsewhere; false: F.linear
     fp32_linear: bool | None = None
     # the dtype of those tiles' packed weights: "bf16" halves the bytes a step streams (the products and
-    # sums stay fp32); "auto": bf16 where model.dtype=auto took fp32 for want of native bf16, else fp32
+    # sums stay fp32); "auto": bf16 where model.dtype=auto took fp32 for want of native bf16 on a CPU the
+    # tiles serve (core/engine/defaults.py), else fp32
     fp32_linear_weights: str = "auto"
 
 
