@@ -34,8 +34,8 @@ NATIVE_BF16_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}  # x86 flags; `bf16` is 
 
 def fp32_tiles(device: torch.device) -> bool:
     """Whether fp32 linears multiply on servelab's AVX2 FMA tiles here (servelab_kernels/fp32_linear.py:
-    AVX2 and FMA, no AVX-512, where oneDNN's kernels serve), read from the CPU's flags without building
-    the kernels: the CPUs whose packed weights `backend.fp32_linear_weights` stores."""
+    AVX2 and FMA and no AVX-512, where oneDNN's kernels serve instead), read from the CPU's flags without
+    building the kernels: the CPUs whose packed weights `backend.fp32_linear_weights` stores."""
     flags = cpu_feature_flags()
     return device.type == "cpu" and {"avx2", "fma"} <= flags and "avx512f" not in flags
 
