@@ -6,8 +6,8 @@ or given with --bin). Two measurements, each run side by side in this one proces
 - batch-1 decode: `llama-bench -p 0 -n 128` (tg128, 2 threads) against servelab generating 128
   tokens for one request (tokens after the first over their time), `quant=gguf` and the defaults'
   dtype (bf16, or fp32 on CPUs without native bf16) as they run by default (decode steps as one C++
-  call), and with decode steps through the eager forward (`backend.native_decode=false`) or, for gguf, inductor's graph (`backend.compile=true`, its compile
-  paid in the warm-up);
+  call), and with decode steps through the eager forward (`backend.native_decode=false`) or, for
+  gguf, inductor's graph (`backend.compile=true`, its compile paid in the warm-up);
 - load: N streams back to back (GuideLLM's constant concurrency), fixed prompt/output lengths,
   the same locust bench (`python -m core bench`) against `llama-server -np N` and against
   servelab's own server: TTFT, inter-token latency and output throughput.
@@ -123,10 +123,9 @@ def variants(dense: str) -> dict[str, tuple[str, list[str]]]:
 
 
 def main(argv=None) -> int:
-    import torch
-
     from core.bench.roofline import machine_info
-    from core.engine.defaults import native_bf16
+    from core.config.compose import compose
+    from core.engine.components import engine_config
     from core.model.default_model import default_model_path
 
     ap = argparse.ArgumentParser(prog="python -m benchmarks.vs_llama_cpp")
@@ -148,8 +147,7 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     result = {"machine": machine_info(), "gguf": str(gguf), "args": {k: str(v) for k, v in vars(args).items()},
               "batch1": {"llama.cpp (llama-bench tg128)": llama_bench(args.bin, gguf, args.threads, args.reps)}}
-    dense = "bf16" if native_bf16(torch.device("cpu")) else "fp32"
-    runs = variants(dense)
+    runs = variants(engine_config(compose([])).model.dtype)  # the dtype the defaults resolve to here
     for name, (_, ov) in runs.items():
         result["batch1"][name] = servelab_batch1(ov + [f"backend.num_threads={args.threads}"], args.reps)
     result["load"] = {f"llama-server -np {args.streams}": llama_server_load(args.bin, gguf, args.out, args)}

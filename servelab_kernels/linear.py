@@ -241,8 +241,8 @@ class Linear(nn.Linear):
     (made at the first call that needs it, again whenever the weight changes)."""
 
     # (the weight's storage pointer, its version, its shape, {layout: the packed copy or None where
-    # there was no room}), the layout "tiles", "dot", "fp32", "fp32-bf16" or "onednn" (`_layout`); a weight replaced or changed
-    # in place through autograd's view of it is packed again. A layout is made when first asked for,
+    # there was no room}), the layout "tiles", "dot", "fp32", "fp32-bf16" or "onednn" (`_layout`); a weight
+    # replaced or changed in place through autograd's view of it is packed again. A layout is made when first asked for,
     # so an A/B run that flips `amx_linear.enabled` holds both (and times neither's packing)
     _packed: tuple | None = None
 
@@ -275,13 +275,13 @@ class Linear(nn.Linear):
 
 # the packed layouts servelab's own kernels multiply by (pack, linear); "onednn" is torch's
 _KERNELS = {"tiles": amx_linear, "dot": dot_linear, "fp32": fp32_linear, "fp32-bf16": fp32_linear}
-_PACK = {"tiles": amx_linear.pack, "dot": dot_linear.pack, "fp32": fp32_linear.pack, "fp32-bf16": fp32_linear.pack_bf16}
+_PACK = {layout: kernel.pack for layout, kernel in _KERNELS.items()} | {"fp32-bf16": fp32_linear.pack_bf16}
 
 
 def _layout(weight: torch.Tensor) -> str:
     """Which packed copy a weight's calls take now: an fp32 weight fp32_linear's (`use_packed` asked
-    `fp32_linear.use`), in fp32 or, under `fp32_linear.weights("bf16")`, in bf16; a bf16 one the tiles' (`amx_linear.use`), the dot products' (`dot_linear.use`)
-    or oneDNN's."""
+    `fp32_linear.use`), in fp32 or, under `fp32_linear.weights("bf16")`, in bf16; a bf16 one the tiles'
+    (`amx_linear.use`), the dot products' (`dot_linear.use`) or oneDNN's."""
     if weight.dtype == torch.float32:
         return "fp32-bf16" if fp32_linear.bf16_lines.on else "fp32"
     if amx_linear.use(weight):

@@ -119,10 +119,11 @@ def describe_dtype(ec: EngineConfig, device: torch.device) -> str | None:
     """A line for the engine's start-up log when fp32 runs because the CPU lacks native bf16 (said
     once the config is valid, beside the KV pool, so that a config error stays one line)."""
     if ec.model.dtype == "fp32" and device.type == "cpu" and not native_bf16(device):
-        stored = [(what, key) for what, key, dtype in (
-            ("linear weights", "backend.fp32_linear_weights",
-             getattr(ec.backend, "fp32_linear_weights", None) if fp32_tiles(device) else None),
-            ("KV cache", "cache.dtype", getattr(ec.cache, "dtype", None))) if dtype == "bf16"]
+        stored = []  # (what, the key that keeps it fp32)
+        if fp32_tiles(device) and getattr(ec.backend, "fp32_linear_weights", None) == "bf16":
+            stored.append(("linear weights", "backend.fp32_linear_weights"))
+        if getattr(ec.cache, "dtype", None) == "bf16":
+            stored.append(("KV cache", "cache.dtype"))
         kv = (f" ({' and '.join(w for w, _ in stored)} stored in bf16; fp32 with "
               f"{', '.join(f'{k}=fp32' for _, k in stored)})") if stored else ""
         return f"model: fp32, as this CPU has no native bf16 (AVX512-BF16 or AMX); model.dtype=auto takes it here{kv}"
